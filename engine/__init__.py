@@ -1,0 +1,12 @@
+"""kvserve's engine: a Llama-family model, its KV cache, sampling and continuous batching."""
+
+from engine.config import ConfigError, ModelConfig
+from engine.engine import Completion, Engine, EngineConfig
+from engine.request import FinishReason, TokenEvent
+from engine.sampling import InvalidParameter, SamplingParams
+from engine.tokenizer import Tokenizer
+
+__all__ = [
+    "Completion", "ConfigError", "Engine", "EngineConfig", "FinishReason", "InvalidParameter",
+    "ModelConfig", "SamplingParams", "TokenEvent", "Tokenizer",
+]

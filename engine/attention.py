@@ -1,0 +1,60 @@
+"""Grouped-query attention over the KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.batch import DecodeBatch, PrefillBatch
+from engine.config import ModelConfig
+from engine.rope import apply_rope
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) masked) v with h_q = g * h_kv query heads sharing each K/V head.
+
+    q (b, h_q, s, d); k, v (b, h_kv, t, d); mask (b|1, 1, s, t) bool, True = may attend, applied
+    to the scores before the softmax. Query head i reads K/V head i // g (the Hugging Face order),
+    so the g heads of a group are folded into the row axis instead of copying K/V g times.
+    Returns (b, h_q, s, d).
+    """
+    b, h_q, s, d = q.shape
+    h_kv = k.shape[1]
+    groups = h_q // h_kv
+    q = q.reshape(b, h_kv, groups * s, d)  # (b, h_kv, g·s, d): rows are (group member, position)
+    if mask is not None and s > 1 and groups > 1:
+        mask = mask.repeat(1, 1, groups, 1)  # (b|1, 1, g·s, t), same order as q's rows
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(b, h_q, s, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        # q, k and v projections fused into one matmul: [q; k; v] rows.
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[torch.Tensor, torch.Tensor],
+        batch: PrefillBatch | DecodeBatch,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Reshape exposes the head axis, transpose moves it before the positions.
+        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (b, h_q, s, d)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, h_kv, s, d)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, h_kv, s, d)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = batch.store(cache[0], cache[1], k, v)
+        out = grouped_attention(q, keys, values, batch.mask)  # (b, h_q, s, d)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.q_size))  # (b, s, h_q·d) -> (b, s, hidden)

@@ -1,0 +1,268 @@
+"""The engine: continuous batching of requests over a fixed set of KV-cache slots."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from engine.batch import DecodeBatch, PrefillBatch
+from engine.device import resolve_device, resolve_dtype
+from engine.kv_cache import KVCache, format_bytes, parse_bytes
+from engine.model import Transformer, build_model
+from engine.request import FinishReason, Request, Status, TokenEvent
+from engine.rope import RotaryTable
+from engine.sampler import select_tokens
+from engine.sampling import InvalidParameter, SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 8  # KV-cache slots: sequences decoded together
+    max_seq_len: int | None = None  # positions per slot; None = min(model's context, 4096)
+    kv_cache_memory: str | int | None = None  # size the slots from a budget instead ("1GiB")
+    device: str = "auto"
+    dtype: str = "auto"
+    prefill_chunk_size: int = 512  # prompt tokens per forward pass; bounds prefill memory
+    seed: int | None = None  # seeds the seeds of requests that bring none
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        if isinstance(self.kv_cache_memory, str):
+            parse_bytes(self.kv_cache_memory)  # fails now, with the text, rather than at start
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: FinishReason
+    seed: int
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        model_config = model.config
+        weight = model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        max_seq_len = config.max_seq_len or min(model_config.max_position_embeddings, 4096)
+        if max_seq_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                f"{model_config.max_position_embeddings}"
+            )
+        slots = self._slots(model_config, max_seq_len)
+        self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype)
+        self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
+        self.scheduler = Scheduler(slots)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed if config.seed is not None else torch.seed())
+        log.info(self.cache.describe())
+
+    def _slots(self, model_config, max_seq_len: int) -> int:
+        if self.config.kv_cache_memory is None:
+            return self.config.max_batch_size
+        budget = self.config.kv_cache_memory
+        budget = parse_bytes(budget) if isinstance(budget, str) else budget
+        slots = KVCache.slots_for_budget(model_config, max_seq_len, budget, self.dtype)
+        if slots < 1:
+            raise ValueError(
+                f"kv_cache_memory {format_bytes(budget)} holds no sequence of {max_seq_len} tokens; "
+                "raise it or lower max_seq_len"
+            )
+        return slots
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
+        from weights.checkpoint import load_checkpoint
+
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        model_config, state = load_checkpoint(path, dtype)
+        model = build_model(model_config, state, device)
+        return cls(model, Tokenizer.from_dir(path), config)
+
+    # ---- the public API --------------------------------------------------------------------
+
+    @property
+    def max_seq_len(self) -> int:
+        """The one context length: positions per cache slot."""
+        return self.cache.max_seq_len
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> Request:
+        prompt_ids = self._prompt_ids(prompt)
+        if len(prompt_ids) + params.max_new_tokens > self.max_seq_len:
+            raise InvalidParameter(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"{len(prompt_ids) + params.max_new_tokens} exceeds the context length max_seq_len = {self.max_seq_len}"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidParameter(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
+        request = Request(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            seed=seed,
+            generator=torch.Generator(self.device).manual_seed(seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+        )
+        self.requests[request_id] = request
+        self.scheduler.enqueue(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its slot is free for the next step. False if it had already finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return False
+        request.finish_reason = FinishReason.ABORT
+        self.scheduler.release(request)
+        return True
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """One unit of work: admit and prefill waiting requests, then one decode step for the others.
+
+        Every running request gets exactly one new token per step.
+        """
+        decoding = self.scheduler.decoding()
+        events = [self._prefill(request) for request in self.scheduler.admit()]
+        if decoding:
+            events += self._decode(decoding)
+        return events
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[Completion]:
+        """Offline generation: every prompt to completion, batched over the slots."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        logprobs: dict[str, list[float]] = {r.request_id: [] for r in requests}
+        while any(not r.finished for r in requests):
+            for event in self.step():
+                logprobs[event.request_id].append(event.logprob)
+        return [self._completion(r, logprobs[r.request_id]) for r in requests]
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt: str | Sequence[int]) -> torch.Tensor:
+        """Logits (n, V) float32 at every position of one prompt, through the prefill path."""
+        prompt_ids = self._prompt_ids(prompt)
+        if len(prompt_ids) > self.max_seq_len:
+            raise InvalidParameter(f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len {self.max_seq_len}")
+        if not self.scheduler.free_slots:
+            raise RuntimeError("prompt_logits needs a free cache slot")
+        slot = self.scheduler.free_slots[0]
+        tokens = torch.tensor(prompt_ids, device=self.device)
+        chunks = [self._forward_chunk(tokens, slot, start) for start in range(0, len(prompt_ids), self.config.prefill_chunk_size)]
+        return self.model.logits(torch.cat(chunks, dim=1))[0]
+
+    # ---- the state the server reports ------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def cache_used_bytes(self) -> int:
+        return self.cache.used_bytes(sum(r.cached_tokens for r in self.scheduler.running.values()))
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the work ---------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameter("this engine has no tokenizer; pass token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise InvalidParameter("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParameter(f"prompt token ids must be in [0, {vocab})")
+        return prompt_ids
+
+    def _forward_chunk(self, tokens: torch.Tensor, slot: int, start: int) -> torch.Tensor:
+        length = min(self.config.prefill_chunk_size, len(tokens) - start)
+        batch = PrefillBatch(slot, start, length, self.device)
+        return self.model(tokens[None, start:start + length], self.rotary, self.cache, batch)  # (1, n, hidden)
+
+    def _prefill(self, request: Request) -> TokenEvent:
+        tokens = torch.tensor(request.prompt_ids, device=self.device)
+        hidden = None
+        for start in range(0, len(tokens), self.config.prefill_chunk_size):
+            hidden = self._forward_chunk(tokens, request.slot, start)
+        logits = self.model.logits(hidden[:, -1])  # (1, V): only the last position predicts
+        (token,), (logprob,) = select_tokens(logits, [request])
+        return self._append(request, token, logprob)
+
+    def _decode(self, requests: list[Request]) -> list[TokenEvent]:
+        batch = DecodeBatch([r.slot for r in requests], [r.cached_tokens for r in requests], self.device)
+        tokens = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)  # (b, 1)
+        hidden = self.model(tokens, self.rotary, self.cache, batch)  # (b, 1, hidden)
+        chosen, logprobs = select_tokens(self.model.logits(hidden[:, 0]), requests)
+        return [self._append(r, t, lp) for r, t, lp in zip(requests, chosen, logprobs)]
+
+    def _append(self, request: Request, token: int, logprob: float) -> TokenEvent:
+        request.output_ids.append(token)
+        text = request.detokenizer.push(token) if request.detokenizer else ""
+        reason, stop_string = self._finish_reason(request, token)
+        if reason is not None:
+            if request.detokenizer:
+                text += request.detokenizer.flush()
+            request.finish_reason = reason
+            self.scheduler.release(request)
+            self.requests.pop(request.request_id, None)
+        special = self.tokenizer is not None and token in self.tokenizer.special_ids
+        return TokenEvent(request.request_id, len(request.output_ids) - 1, token, text, logprob, special,
+                          reason, stop_string)
+
+    def _finish_reason(self, request: Request, token: int) -> tuple[FinishReason | None, str | None]:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and self.tokenizer and token in self.tokenizer.eos_token_ids):
+            return FinishReason.EOS, None
+        if params.stop:
+            window = request.text[-(max(map(len, params.stop)) + 16):]
+            for stop in params.stop:
+                if stop in window:
+                    return FinishReason.STOP, stop
+        if len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_seq_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _completion(self, request: Request, logprobs: list[float]) -> Completion:
+        return Completion(request.request_id, request.prompt_ids, request.output_ids, request.text, logprobs,
+                          request.finish_reason, request.seed)
+
+
+__all__ = ["Completion", "Engine", "EngineConfig", "Status"]

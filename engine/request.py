@@ -1,0 +1,69 @@
+"""One generation request and its progress through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_new_tokens or the context length reached
+    EOS = "eos"  # an end-of-sequence or stop token id
+    STOP = "stop"  # a stop string appeared in the text
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, as the caller sees it."""
+
+    request_id: str
+    index: int  # position among the generated tokens, from 0
+    token_id: int
+    text: str  # the text this token completes; "" while a character is still incomplete
+    logprob: float
+    special: bool
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None  # which stop string ended the request, when one did
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer | None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Positions written to the cache: every token but the newest, which the next decode feeds."""
+        return self.num_tokens - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,63 @@
+"""Rotary position embedding in the half-split layout of Hugging Face checkpoints.
+
+Coordinate i is paired with i + d/2 (not with its neighbour); GGUF files permute q/k rows
+to the interleaved layout, which `weights/` undoes on import so this one layout serves both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """One frequency per coordinate pair, (head_dim/2,) float32, after any context scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryTable:
+    """cos/sin for every position below `max_seq_len`, computed once in float32."""
+
+    def __init__(self, config: ModelConfig, max_seq_len: int, device: torch.device, dtype: torch.dtype):
+        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, d/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, d): half-split layout repeats each pair's angle
+        self.cos = angles.cos().to(device=device, dtype=dtype)
+        self.sin = angles.sin().to(device=device, dtype=dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (b, s) -> cos, sin of shape (b, 1, s, d), broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (b, heads, s, d) rotated by each position's angle."""
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,69 @@
+"""Turns one step's logits into one token per sequence, each with its own parameters."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from engine.sampling import (
+    SamplingParams,
+    apply_additive_penalties,
+    apply_repetition_penalty,
+    draw,
+    min_p_filter,
+    top_k_filter,
+    top_p_filter,
+)
+
+
+class SamplingState(Protocol):
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState]) -> tuple[list[int], list[float]]:
+    """logits (b, V) float32 -> each row's next token and its log-probability under the model.
+
+    The log-probability is the model's own (before penalties, temperature and filters), as
+    OpenAI and TGI report it.
+    """
+    logprobs = logits.log_softmax(dim=-1)
+    scores = _penalize(logits, rows) if any(r.params.has_penalties for r in rows) else logits
+    tokens = scores.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        picked = _sample(scores[sampled], [rows[i] for i in sampled])
+        tokens[sampled] = picked
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()
+
+
+def _penalize(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
+    b, vocab = logits.shape
+    device = logits.device
+    counts = torch.zeros(b, vocab, device=device)
+    seen = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        if r.output_ids:
+            out = torch.tensor(r.output_ids, device=device)
+            counts[i].scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+        seen[i, torch.tensor(r.prompt_ids + r.output_ids, device=device)] = True
+    param = lambda name: torch.tensor([getattr(r.params, name) for r in rows], device=device)  # noqa: E731
+    logits = apply_repetition_penalty(logits, seen, param("repetition_penalty"))
+    return apply_additive_penalties(logits, counts, param("presence_penalty"), param("frequency_penalty"))
+
+
+def _sample(scores: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
+    device = scores.device
+    params = [r.params for r in rows]
+    scores = scores / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    if any(p.top_k > 0 for p in params):
+        scores = top_k_filter(scores, torch.tensor([p.top_k for p in params], device=device))
+    if any(p.top_p < 1 for p in params):
+        scores = top_p_filter(scores, torch.tensor([p.top_p for p in params], device=device))
+    if any(p.min_p > 0 for p in params):
+        scores = min_p_filter(scores, torch.tensor([p.min_p for p in params], device=device))
+    return draw(scores.softmax(dim=-1), [r.generator for r in rows])

@@ -1,0 +1,108 @@
+"""Sampling parameters and the pure tensor functions that turn logits into tokens."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class InvalidParameter(ValueError):
+    """A sampling or request parameter outside its valid range; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k filter
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # multiplicative, over prompt and output tokens (CTRL / HF)
+    presence_penalty: float = 0.0  # additive, over output tokens (OpenAI)
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise InvalidParameter(message)
+
+        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        check(math.isfinite(self.temperature) and self.temperature >= 0,
+              f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+              f"seed must be a non-negative integer, got {self.seed!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def has_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """logits (b, V); seen (b, V) bool: tokens in prompt or output; penalty (b,).
+
+    A seen token's positive logit is divided by the penalty, a negative one multiplied, so a
+    penalty > 1 always makes it less likely.
+    """
+    p = penalty[:, None]
+    penalized = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_additive_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                             frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's penalties: counts (b, V) of each token in the output so far; presence, frequency (b,)."""
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def top_k_filter(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (k (b,), 0 = keep all); the rest become -inf."""
+    vocab = logits.shape[-1]
+    k = torch.where(k > 0, k, vocab).clamp(max=vocab)
+    kth_largest = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (b,); always the top one."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
+    drop_sorted = mass_before >= p[:, None]
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p (b,) times the most likely token's probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row, each row from its own generator, so a row's draw does not depend on its neighbours."""
+    return torch.cat([torch.multinomial(row, 1, generator=gen) for row, gen in zip(probs, generators)])

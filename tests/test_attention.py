@@ -1,0 +1,95 @@
+"""Attention, residual and RoPE properties, through our own modules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.attention import grouped_attention
+from engine.batch import DecodeBatch, PrefillBatch
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.model import Block
+from engine.rope import RotaryTable, apply_rope
+
+
+def test_worked_example_mask_before_softmax():
+    # Scaled logits (0, log 2, log 4) need q·k/sqrt(d) = those values: d = 1, q = 1, k = logits.
+    q = torch.ones(1, 1, 1, 1, dtype=torch.float64)
+    k = torch.tensor([0.0, math.log(2), math.log(4)], dtype=torch.float64).view(1, 1, 3, 1)
+    v = torch.tensor([2.0, 7.0, 99.0], dtype=torch.float64).view(1, 1, 3, 1)
+    unmasked = grouped_attention(q, k, v, None)
+    assert unmasked.item() == pytest.approx(412 / 7, rel=1e-12)
+    masked = grouped_attention(q, k, v, torch.tensor([True, True, False]).view(1, 1, 1, 3))
+    assert masked.item() == pytest.approx(16 / 3, rel=1e-12)
+
+
+def test_grouped_attention_equals_repeated_heads():
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 5, 16)
+    k, v = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    ours = grouped_attention(q, k, v, mask)
+    # The textbook form: each K/V head copied for its 4 query heads (what the cache never stores).
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), is_causal=True)
+    torch.testing.assert_close(ours, reference)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    settings = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    return ModelConfig(**(settings | overrides))
+
+
+def test_block_with_zeroed_branches_returns_its_input():
+    config = tiny_config()
+    torch.manual_seed(0)
+    block = Block(config)
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        block.get_parameter(name).data.zero_()
+    cache = KVCache(config, slots=1, max_seq_len=16, device=torch.device("cpu"), dtype=torch.float32)
+    rotary = RotaryTable(config, 16, torch.device("cpu"), torch.float32)
+    batch = PrefillBatch(slot=0, start=0, length=5, device=torch.device("cpu"))
+    x = torch.randn(1, 5, config.hidden_size) * 3
+    out = block(x, rotary.lookup(batch.positions), cache.layer(0), batch)
+    assert torch.equal(out, x)
+
+
+def test_rope_scores_depend_only_on_offset():
+    config = tiny_config(head_dim=16)
+    rotary = RotaryTable(config, 64, torch.device("cpu"), torch.float64)
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
+
+    def score(m: int, n: int) -> float:
+        cos_q, sin_q = rotary.lookup(torch.tensor([[m]]))
+        cos_k, sin_k = rotary.lookup(torch.tensor([[n]]))
+        return (apply_rope(q, cos_q, sin_q) * apply_rope(k, cos_k, sin_k)).sum().item()
+
+    # Angles are tabulated in float32, as the reference implementation computes them.
+    assert score(3, 10) == pytest.approx(score(20, 27), rel=1e-6)
+    assert score(10, 3) == pytest.approx(score(40, 33), rel=1e-6)
+    assert abs(score(3, 10) - score(10, 3)) > 1e-6  # the sign of the offset matters
+
+
+def test_decode_writes_the_same_keys_as_prefill():
+    """A token decoded at position p leaves the cache exactly as prefilling it at p would."""
+    config = tiny_config()
+    torch.manual_seed(0)
+    block = Block(config)
+    cpu = torch.device("cpu")
+    rotary = RotaryTable(config, 16, cpu, torch.float32)
+    x = torch.randn(1, 6, config.hidden_size)
+    whole = KVCache(config, 1, 16, cpu, torch.float32)
+    batch = PrefillBatch(0, 0, 6, cpu)
+    expected = block(x, rotary.lookup(batch.positions), whole.layer(0), batch)
+    stepped = KVCache(config, 2, 16, cpu, torch.float32)  # slot 1 this time, to exercise the slot index
+    batch = PrefillBatch(1, 0, 5, cpu)
+    block(x[:, :5], rotary.lookup(batch.positions), stepped.layer(0), batch)
+    step = DecodeBatch([1], [5], cpu)
+    last = block(x[:, 5:], rotary.lookup(step.positions), stepped.layer(0), step)
+    torch.testing.assert_close(last[0, 0], expected[0, 5])
+    torch.testing.assert_close(stepped.data[:, :, 1, :, :6], whole.data[:, :, 0, :, :6])

@@ -1,0 +1,87 @@
+"""Prefill + decode against one long forward, and continuous batching that does not change tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+PROMPTS = ["The quick brown fox jumps over", "Paris", "def add(a, b):\n    return a + b", "Once upon a time there"]
+
+
+def test_prefill_then_decode_equals_one_forward(make_engine):
+    engine = make_engine()
+    request = engine.add_request("The quick brown fox", GREEDY)
+    events = [event for _ in range(6) for event in engine.step()]
+    full = request.prompt_ids + request.output_ids  # n prompt tokens + 6 generated (5 of them decoded)
+    logprobs = make_engine().prompt_logits(full).log_softmax(-1)
+    n = len(request.prompt_ids)
+    expected = [logprobs[n - 1 + i, event.token_id].item() for i, event in enumerate(events)]
+    assert [event.logprob for event in events] == pytest.approx(expected, abs=1e-5)
+    assert [event.token_id for event in events] == logprobs[n - 1:].argmax(-1).tolist()[:6]
+
+
+def test_prefill_in_chunks_equals_prefill_at_once(make_engine):
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 4)
+    whole = make_engine().prompt_logits(prompt)
+    chunked = make_engine(prefill_chunk_size=7).prompt_logits(prompt)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_lengths_in_one_batch_equal_each_alone(make_engine):
+    together = make_engine(max_batch_size=4).generate(PROMPTS, GREEDY)
+    alone = [make_engine(max_batch_size=1).generate([p], GREEDY)[0] for p in PROMPTS]
+    assert [c.output_ids for c in together] == [c.output_ids for c in alone]
+
+
+def test_request_joining_mid_way_changes_nothing(make_engine):
+    engine = make_engine(max_batch_size=4)
+    first = engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(7):
+        engine.step()
+    second = engine.add_request(PROMPTS[1], GREEDY)
+    while not (first.finished and second.finished):
+        engine.step()
+    alone = make_engine().generate(PROMPTS[:2], GREEDY)
+    assert first.output_ids == alone[0].output_ids
+    assert second.output_ids == alone[1].output_ids
+
+
+def test_waiting_requests_are_served_first_come_first_served(make_engine):
+    engine = make_engine(max_batch_size=1)
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)) for p in PROMPTS]
+    started = []
+    while engine.has_work:
+        for event in engine.step():
+            if event.index == 0:
+                started.append(event.request_id)
+    assert started == [r.request_id for r in requests]
+
+
+def test_decode_reads_only_filled_positions(make_engine):
+    """With short sequences a decode step attends over max(length)+1 keys, not the configured T."""
+    from engine.batch import DecodeBatch
+
+    batch = DecodeBatch([0, 2], [5, 9], torch.device("cpu"))
+    assert batch.kv_len == 10
+    assert batch.mask.shape == (2, 1, 1, 10)
+    assert batch.mask[0, 0, 0].tolist() == [True] * 6 + [False] * 4
+
+
+def test_finish_reasons(make_engine):
+    engine = make_engine()
+    tokenizer = engine.tokenizer
+    eos = tokenizer.eos_token_ids[0]
+    (length,) = engine.generate(["Paris"], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+    assert length.finish_reason == "length" and len(length.output_ids) == 3
+    first = length.output_ids[0]
+    (stopped,) = engine.generate(["Paris"], SamplingParams(max_new_tokens=3, temperature=0, stop_token_ids=(first,)))
+    assert stopped.finish_reason == "eos" and stopped.output_ids == [first]
+    text = length.text
+    if text.strip():
+        stop = text.strip()[0]
+        (by_string,) = engine.generate(["Paris"], SamplingParams(max_new_tokens=3, temperature=0, stop=(stop,)))
+        assert by_string.finish_reason == "stop" and stop in by_string.text
+    assert eos in tokenizer.eos_token_ids

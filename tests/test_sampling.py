@@ -1,0 +1,113 @@
+"""Sampling as pure tensor functions, seeds, and parameter validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import InvalidParameter, SamplingParams
+from engine.sampling import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
+
+NEG_INF = float("-inf")
+
+
+def probs_to_logits(*probs: float) -> torch.Tensor:
+    return torch.tensor([[math.log(p) for p in probs]])
+
+
+def kept(logits: torch.Tensor) -> list[bool]:
+    return (logits[0] != NEG_INF).tolist()
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = probs_to_logits(0.1, 0.4, 0.2, 0.3)
+    assert kept(top_k_filter(logits, torch.tensor([2]))) == [False, True, False, True]
+    assert kept(top_k_filter(logits, torch.tensor([0]))) == [True] * 4  # 0 = off
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = probs_to_logits(0.1, 0.4, 0.2, 0.3)
+    assert kept(top_p_filter(logits, torch.tensor([0.5]))) == [False, True, False, True]  # 0.4 + 0.3 >= 0.5
+    assert kept(top_p_filter(logits, torch.tensor([0.4]))) == [False, True, False, False]
+    assert kept(top_p_filter(logits, torch.tensor([0.01]))) == [False, True, False, False]  # the top one stays
+    assert kept(top_p_filter(logits, torch.tensor([1.0]))) == [True] * 4
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    logits = probs_to_logits(0.1, 0.4, 0.2, 0.3)
+    assert kept(min_p_filter(logits, torch.tensor([0.5]))) == [False, True, True, True]  # >= 0.2
+    assert kept(min_p_filter(logits, torch.tensor([0.8]))) == [False, True, False, False]
+
+
+def test_filters_are_per_row():
+    logits = torch.cat([probs_to_logits(0.1, 0.4, 0.2, 0.3)] * 2)
+    out = top_k_filter(logits, torch.tensor([1, 3]))
+    assert (out != NEG_INF).sum(-1).tolist() == [1, 3]
+
+
+def test_repetition_penalty_lowers_seen_tokens_of_either_sign():
+    logits = torch.tensor([[2.0, -2.0, 1.0]])
+    seen = torch.tensor([[True, True, False]])
+    assert apply_repetition_penalty(logits, seen, torch.tensor([2.0])).tolist() == [[1.0, -4.0, 1.0]]
+
+
+def test_greedy_is_argmax(make_engine):
+    engine = make_engine()
+    prompt = engine.tokenizer.encode("The quick brown")
+    logits = engine.prompt_logits(prompt)[-1]
+    (completion,) = engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0))
+    assert completion.output_ids == [int(logits.argmax())]
+    assert completion.logprobs[0] == pytest.approx(logits.log_softmax(-1).max().item(), abs=1e-6)
+
+
+def test_top_k_one_equals_greedy(make_engine):
+    engine = make_engine()
+    greedy = engine.generate(["Paris is"], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    top1 = engine.generate(["Paris is"], SamplingParams(max_new_tokens=10, temperature=1.5, top_k=1, ignore_eos=True))
+    assert greedy[0].output_ids == top1[0].output_ids
+
+
+def test_same_seed_same_tokens_alone_and_in_a_batch(make_engine):
+    seeded = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = make_engine().generate(["Once upon a time"], seeded)[0].output_ids
+    noisy = SamplingParams(max_new_tokens=16, temperature=1.3, ignore_eos=True)
+    batch = make_engine().generate(["The quick", "Once upon a time", "Paris"], [noisy, seeded, noisy])
+    assert batch[1].output_ids == alone
+    other = make_engine().generate(["Once upon a time"], SamplingParams(
+        max_new_tokens=16, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True))[0].output_ids
+    assert other != alone  # the seed does steer the draw
+
+
+def test_unseeded_requests_report_the_seed_that_reproduces_them(make_engine):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    first = make_engine(seed=None).generate(["Once upon a time"], params)[0]
+    again = make_engine(seed=None).generate(["Once upon a time"], SamplingParams(
+        max_new_tokens=12, temperature=1.0, ignore_eos=True, seed=first.seed))[0]
+    assert again.output_ids == first.output_ids
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", -0.5, "temperature must be >= 0"),
+    ("top_p", 0.0, "top_p must be in (0, 1]"),
+    ("top_p", 1.5, "top_p must be in (0, 1]"),
+    ("top_k", -1, "top_k must be an integer >= 0"),
+    ("min_p", 2.0, "min_p must be in [0, 1]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1"),
+    ("seed", -3, "seed must be a non-negative integer"),
+    ("presence_penalty", 3.0, "presence_penalty must be in [-2, 2]"),
+])
+def test_bad_parameters_are_rejected_with_a_clear_message(field, value, message):
+    with pytest.raises(InvalidParameter) as error:
+        SamplingParams(**{field: value})
+    assert message in str(error.value)
+
+
+def test_prompt_too_long_names_both_numbers(make_engine):
+    engine = make_engine(max_seq_len=32)
+    with pytest.raises(InvalidParameter, match=r"prompt \(\d+ tokens\) \+ max_new_tokens \(30\) = \d+ exceeds .* max_seq_len = 32"):
+        engine.add_request("The quick brown fox jumps over the lazy dog", SamplingParams(max_new_tokens=30))
+    with pytest.raises(InvalidParameter, match="empty"):
+        engine.add_request("", SamplingParams())
