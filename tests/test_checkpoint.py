@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import ModelConfig
 from engine.config import ConfigError
-from weights import CheckpointError, load_checkpoint
+from weights.checkpoint import CheckpointError, load_checkpoint
 
 
 def copy_of(src, tmp_path):

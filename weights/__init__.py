@@ -1,5 +1,6 @@
-"""Checkpoint loading (Hugging Face folders and GGUF files) and the default model."""
+"""Checkpoint loading (Hugging Face folders and GGUF files) and the default model.
 
-from weights.checkpoint import CheckpointError, load_checkpoint, load_config
-
-__all__ = ["CheckpointError", "load_checkpoint", "load_config"]
+Submodules: `checkpoint` (HF folders), `gguf_file` (GGUF import), `default_model` (the packaged
+default), `resolve` (what `--model` names). Import them directly; this package imports nothing
+heavy so that `python -m weights pull` answers fast from the cache.
+"""

@@ -1,0 +1,173 @@
+"""GGUF import, on small GGUF files written here with gguf.GGUFWriter in llama.cpp's layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from engine import Engine, EngineConfig
+from weights.gguf_file import GGUFError, import_gguf, unpermute_rope_rows
+
+HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, kind = hf_name.rsplit(".", 1)
+    if stem in HF_TO_GGUF:
+        return f"{HF_TO_GGUF[stem]}.{kind}"
+    _, _, layer, rest = stem.split(".", 3)
+    return f"blk.{layer}.{HF_TO_GGUF[rest]}.{kind}"
+
+
+def permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's rows from (2, d/2) halves to interleaved (d/2, 2) pairs."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def quant_type(name: str, array: np.ndarray) -> GGMLQuantizationType:
+    if array.ndim == 1:
+        return GGMLQuantizationType.F32
+    return GGMLQuantizationType.Q8_0 if "mlp" in name or "embed" in name else GGMLQuantizationType.F16
+
+
+def write_gguf(src, out_path, override_type=None):
+    """The tiny checkpoint at `src` as a GGUF; returns the tensors as the GGUF holds them (dequantized, HF layout)."""
+    config = json.loads((src / "config.json").read_text())
+    tokenizer = json.loads((src / "tokenizer.json").read_text())
+    tensors = {k: v.numpy() for k, v in load_file(src / "model.safetensors").items()}
+    writer = GGUFWriter(str(out_path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["id"]: t["content"] for t in tokenizer["added_tokens"]}
+    tokens = [specials.get(i, tok) for tok, i in vocab]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(json.loads((src / "tokenizer_config.json").read_text())["chat_template"])
+    held = {}
+    for name, array in tensors.items():
+        qtype = override_type if override_type and array.ndim == 2 else quant_type(name, array)
+        stored = array
+        if "q_proj" in name:
+            stored = permute(array, config["num_attention_heads"])
+        elif "k_proj" in name:
+            stored = permute(array, config["num_key_value_heads"])
+        if qtype == GGMLQuantizationType.F16:
+            data = stored.astype(np.float16)
+        elif qtype == GGMLQuantizationType.F32:
+            data = stored.astype(np.float32)
+        else:
+            data = quantize(stored, qtype)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+        held[name] = dequantize(data, qtype).reshape(array.shape).copy() if qtype not in (
+            GGMLQuantizationType.F16, GGMLQuantizationType.F32) else data.astype(np.float32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held, config
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    held, config = write_gguf(tiny_dir, root / "tiny.gguf")
+    # The same (quantized) weights as a plain Hugging Face folder, in the half-split layout.
+    reference = root / "reference"
+    shutil.copytree(tiny_dir, reference)
+    held_torch = {}
+    for name, array in held.items():
+        tensor = torch.from_numpy(array)
+        if "q_proj" in name:
+            tensor = unpermute_rope_rows(tensor, config["num_attention_heads"])
+        elif "k_proj" in name:
+            tensor = unpermute_rope_rows(tensor, config["num_key_value_heads"])
+        held_torch[name] = tensor.contiguous()
+    save_file(held_torch, reference / "model.safetensors")
+    imported = import_gguf(root / "tiny.gguf", root / "imported", progress=False)
+    return imported, reference, root
+
+
+def engine_for(path):
+    return Engine.from_pretrained(path, EngineConfig(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64))
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    weight = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
+    assert torch.equal(unpermute_rope_rows(torch.from_numpy(permute(weight, 4)), 4), torch.from_numpy(weight))
+
+
+def test_imported_logits_equal_the_same_weights_from_safetensors(gguf_model):
+    imported, reference, _ = gguf_model
+    ids = [5, 17, 33, 120, 7, 250, 64]
+    torch.testing.assert_close(engine_for(imported).prompt_logits(ids), engine_for(reference).prompt_logits(ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_imported_folder_loads_in_transformers(gguf_model):
+    from transformers import AutoModelForCausalLM
+
+    imported, _, _ = gguf_model
+    ids = [5, 17, 33, 120, 7]
+    theirs = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(engine_for(imported).prompt_logits(ids), theirs.detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_imported_tokenizer_and_template_match_the_source(gguf_model, tiny_dir):
+    imported, _, _ = gguf_model
+    ours, source = engine_for(imported).tokenizer, engine_for(tiny_dir).tokenizer
+    for text in ["The quick brown fox", "Café 🙂 東京", "    indented\n\n\ttabs"]:
+        assert ours.encode(text) == source.encode(text)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours.render_chat(messages) == source.render_chat(messages)
+    assert ours.eos_token_ids == (2,)
+
+
+def test_unsupported_quantization_is_named(tiny_dir, tmp_path):
+    path = tmp_path / "iq.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 36), dtype=np.uint8),
+                      raw_dtype=GGMLQuantizationType.IQ4_NL)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="tensor token_embd.weight has quantization type IQ4_NL, which kvserve does not read"):
+        import_gguf(path, tmp_path / "out", progress=False)
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(str(path), "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
+        import_gguf(path, tmp_path / "out", progress=False)

