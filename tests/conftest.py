@@ -20,6 +20,7 @@ VARIANTS = {
     "linear_rope": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "qwen2_bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "head_dim": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    "long": ("llama", dict(max_position_embeddings=4096)),  # room for requests that outlast a test's steps
 }
 
 

@@ -1,0 +1,63 @@
+"""python -m server: serve a model on 127.0.0.1:8000 (the default model unless --model says otherwise)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from engine import Engine
+from server.app import create_app
+from server.runner import EngineRunner
+from server.settings import Settings, parse
+
+
+class Server(uvicorn.Server):
+    """uvicorn, with SIGINT/SIGTERM ending open streams at once and the process exiting 0 afterwards."""
+
+    def __init__(self, config: uvicorn.Config, runner: EngineRunner):
+        super().__init__(config)
+        self.runner = runner
+
+    def handle_exit(self, sig, frame) -> None:
+        # Open streams end now with an error event, rather than hold the shutdown until they finish.
+        self.runner.end_streams_threadsafe()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn's own version re-raises the signal after shutdown, so a clean stop would exit -15.
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def build(settings: Settings) -> Server:
+    def load() -> Engine:
+        from weights.resolve import resolve_model
+
+        path = resolve_model(settings.model)
+        logging.getLogger("kvserve").info("loading %s", path)
+        return Engine.from_pretrained(path, settings.engine_config())
+
+    runner = EngineRunner(load, max_queue=settings.max_queue)
+    app = create_app(runner, settings)  # the model loads in the background: /health answers 503 until ready
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=10)
+    return Server(config, runner)
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    build(settings).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The FastAPI application: routes translate HTTP to engine calls; nothing here generates or validates."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server import generation, openai_api, tgi
+from server.errors import APIError, error_response
+from server.metrics import Metrics
+from server.runner import EngineRunner
+from server.schemas import TokenizeRequest
+from server.settings import Settings
+
+OPEN_PATHS = {"/health", "/metrics"}
+
+
+def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
+    metrics = Metrics(runner)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        runner.start()
+        yield
+        await runner.stop()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.runner, app.state.metrics, app.state.settings = runner, metrics, settings
+    app.state.started = int(time.time())
+    install_error_handlers(app, metrics)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, metrics=metrics)
+    if settings.api_key:
+        install_api_key(app, settings.api_key, metrics)
+    app.include_router(tgi.create_router())
+    app.include_router(openai_api.create_router())
+
+    @app.get("/health")
+    async def health():
+        if runner.ready:
+            return {"status": "ok"}
+        status = "failed" if runner.load_error else "loading"
+        return JSONResponse({"status": status, "error": runner.load_error}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/info")
+    async def info():
+        generation.ensure_ready(runner)
+        engine = runner.engine
+        cache, config = engine.cache, engine.model.config
+        return {
+            "model_id": settings.model_name, "model_path": str(settings.model or "default"),
+            "model_type": config.model_type, "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device), "max_batch_size": cache.slots, "max_seq_len": engine.max_seq_len,
+            "max_queue": runner.max_queue,
+            "kv_cache": {"capacity_bytes": cache.capacity_bytes, "formula": "2*B*L*T*h_kv*d_h*itemsize",
+                         "B": cache.slots, "L": cache.num_layers, "T": cache.max_seq_len, "h_kv": cache.num_kv_heads,
+                         "d_h": cache.head_dim, "itemsize": cache.data.element_size(),
+                         "h_q": config.num_heads, "mha_capacity_bytes": cache.mha_capacity_bytes},
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        generation.ensure_ready(runner)
+        encoding = runner.engine.tokenizer.backend.encode(body.inputs)
+        return [{"id": i, "text": body.inputs[start:stop], "start": start, "stop": stop}
+                for i, (start, stop) in zip(encoding.ids, encoding.offsets)]
+
+    return app
+
+
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        metrics.failures.labels(reason=e.error_type).inc()
+        return error_response(request.url.path, e.status, e.message, e.error_type, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        metrics.failures.labels(reason="validation").inc()
+        return error_response(request.url.path, 422, describe(e), "validation")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 400:  # FastAPI's answer to a body it cannot decode (bytes that are not UTF-8)
+            metrics.failures.labels(reason="validation").inc()
+            return error_response(request.url.path, 422, "the request body is not valid JSON (it must be UTF-8 "
+                                  "encoded JSON)", "validation")
+        return error_response(request.url.path, e.status_code, str(e.detail), "http")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):  # a bug; say so without a stack trace
+        metrics.failures.labels(reason="internal").inc()
+        return error_response(request.url.path, 500, f"internal error: {type(e).__name__}", "internal")
+
+
+def describe(e: RequestValidationError) -> str:
+    """Pydantic's errors as one readable line: 'parameters.max_tokens: extra inputs are not permitted'."""
+    parts = []
+    for error in e.errors():
+        location = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        message = error.get("msg", "invalid")
+        if error.get("type") == "json_invalid":
+            message = "the body is not valid JSON" + (f" ({error['ctx']['error']})" if error.get("ctx") else "")
+            location = ""
+        parts.append(f"{location}: {message}" if location else message)
+    return "; ".join(parts) or "invalid request"
+
+
+def install_api_key(app: FastAPI, key: str, metrics: Metrics) -> None:
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path in OPEN_PATHS or request.headers.get("authorization") == f"Bearer {key}":
+            return await call_next(request)
+        metrics.failures.labels(reason="unauthorized").inc()
+        return error_response(request.url.path, 401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                              "unauthorized")
+
+
+class BodyLimit:
+    """Refuses request bodies over `limit` bytes with 413, by Content-Length or by counting a chunked body.
+
+    The body is read here (it is at most `limit` bytes) and replayed to the app, so an oversized one
+    is refused before any route or parser sees it.
+    """
+
+    def __init__(self, app, limit: int, metrics: Metrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self.refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self.refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only http.disconnect comes
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send):
+        self.metrics.failures.labels(reason="payload_too_large").inc()
+        response = error_response(scope["path"], 413, f"request body exceeds {self.limit} bytes", "payload_too_large")
+        await response(scope, receive, send)

@@ -1,0 +1,122 @@
+"""The part of every generation route that is the same: admission, the event stream, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from engine import InvalidParameter, SamplingParams, TokenEvent
+from server.errors import APIError
+from server.metrics import Metrics
+from server.runner import EngineRunner, Failure, NotReady, Overloaded, Stream
+
+
+@dataclass
+class Generation:
+    """One accepted request, from its first token to its last, as a route consumes it."""
+
+    runner: EngineRunner
+    metrics: Metrics
+    stream: Stream
+    events: list[TokenEvent] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.events[-1].finish_reason.value if self.events and self.events[-1].finish_reason else None
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        """Events in order; a failure after the stream started raises APIError."""
+        stream, metrics = self.stream, self.metrics
+        last_at = None
+        try:
+            while True:
+                item = await stream.next()
+                if isinstance(item, Failure):
+                    metrics.failures.labels(reason="generation").inc()
+                    raise APIError(500, item.message, "generation")
+                if last_at is None:
+                    metrics.time_to_first_token.observe(item.at - stream.arrived_at)
+                    metrics.request_queue.observe(item.admitted_at - stream.arrived_at)
+                else:
+                    metrics.inter_token_latency.observe(item.at - last_at)
+                last_at = item.at
+                self.events.append(item.event)
+                metrics.generation_tokens.inc()
+                if item.event.finish_reason is not None:
+                    metrics.request_duration.observe(item.at - stream.arrived_at)
+                    metrics.requests.labels(finish_reason=item.event.finish_reason.value).inc()
+                yield item.event
+                if item.event.finish_reason is not None:
+                    return
+        finally:
+            self.runner.release(stream)
+
+    async def complete(self, request: Request) -> "Generation":
+        """Run to the end; a client that disconnects meanwhile aborts the request."""
+        watcher = asyncio.create_task(self._watch_disconnect(request))
+        try:
+            async for _ in self:
+                pass
+        finally:
+            watcher.cancel()
+        return self
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.metrics.failures.labels(reason="client_disconnect").inc()
+        self.runner.release(self.stream)
+        self.stream.queue.put_nowait(Failure("client disconnected"))
+
+
+def tokenize_prompt(runner: EngineRunner, text: str, add_special_tokens: bool = True) -> list[int]:
+    ensure_ready(runner)
+    ids = runner.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise APIError(422, "the prompt is empty after tokenization", "validation")
+    return ids
+
+
+def ensure_ready(runner: EngineRunner) -> None:
+    if not runner.ready:
+        raise APIError(503, runner.load_error or "the model is still loading; retry shortly", "unavailable",
+                       {"Retry-After": "5"})
+
+
+def room(runner: EngineRunner, prompt_ids: list[int]) -> int:
+    """Tokens that fit after the prompt in one cache slot."""
+    return runner.engine.max_seq_len - len(prompt_ids)
+
+
+def start(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    """Admit a request or refuse it with the status a client should see."""
+    limit = runner.engine.max_seq_len
+    if len(prompt_ids) + params.max_new_tokens > limit:
+        raise APIError(
+            422,
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+            f"{len(prompt_ids) + params.max_new_tokens} exceeds the context length max_seq_len = {limit}",
+            "validation",
+        )
+    try:
+        stream = runner.submit(prompt_ids, params)
+    except Overloaded as e:
+        raise APIError(429, f"too many requests waiting: {e}", "overloaded", {"Retry-After": "1"}) from None
+    except NotReady as e:
+        raise APIError(503, str(e), "unavailable", {"Retry-After": "5"}) from None
+    metrics.prompt_tokens.inc(len(prompt_ids))
+    return Generation(runner, metrics, stream)
+
+
+def sampling_or_422(build) -> SamplingParams:
+    try:
+        return build()
+    except InvalidParameter as e:
+        raise APIError(422, str(e), "validation") from None

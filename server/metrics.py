@@ -1,0 +1,50 @@
+"""Prometheus metrics, in a registry of their own (never the process-wide default).
+
+Fed from request timestamps by the routes; gauges read the runner's last snapshot when scraped.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from server.runner import EngineRunner
+
+# Buckets wide enough for a 2-core CPU (tens of ms per token) and a GPU (a few ms).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    def __init__(self, runner: "EngineRunner"):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "kvserve_time_to_first_token_seconds", "Arrival to first generated token.", buckets=REQUEST_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "kvserve_inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "kvserve_request_duration_seconds", "Arrival to last token.", buckets=REQUEST_BUCKETS, registry=r)
+        self.request_queue = Histogram(
+            "kvserve_request_queue_seconds", "Arrival to getting a KV-cache slot.", buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens sent to clients.", registry=r)
+        self.requests = Counter("kvserve_requests", "Finished requests.", ["finish_reason"], registry=r)
+        self.failures = Counter("kvserve_request_failures", "Requests refused or failed.", ["reason"], registry=r)
+        gauges = {
+            "kvserve_requests_running": ("Requests holding a KV-cache slot.", lambda: runner.snapshot.running),
+            "kvserve_requests_waiting": ("Requests waiting for a slot.", lambda: runner.snapshot.waiting),
+            "kvserve_kv_cache_capacity_bytes": ("KV cache allocation: 2*B*L*T*h_kv*d_h*itemsize.", lambda: runner.snapshot.capacity_bytes),
+            "kvserve_kv_cache_used_bytes": ("KV cache bytes holding tokens.", lambda: runner.snapshot.used_bytes),
+            "kvserve_kv_cache_usage_ratio": ("used / capacity.", lambda: runner.snapshot.usage_ratio),
+            "kvserve_kv_cache_slots": ("KV cache slots (B).", lambda: runner.snapshot.slots),
+            "kvserve_kv_cache_slots_in_use": ("Slots held by running requests.", lambda: runner.snapshot.running),
+        }
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(read)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

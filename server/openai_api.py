@@ -1,0 +1,153 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine import FinishReason, TokenEvent
+from server import generation, sse
+from server.errors import APIError, error_body
+from server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
+
+OPENAI_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop",
+                 FinishReason.ABORT: "stop"}
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class StopTrimmer:
+    """OpenAI excludes the stop string from the text: hold back what might be its beginning."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.hold = max(map(len, stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def push(self, event: TokenEvent) -> str:
+        self.text += event.text
+        if event.stop_string is not None:
+            end = self.text.find(event.stop_string)
+        elif event.finish_reason is not None:
+            end = len(self.text)
+        else:
+            end = len(self.text) - self.hold
+        piece = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece
+
+
+def usage(gen: generation.Generation) -> dict:
+    prompt, completion = len(gen.stream.prompt_ids), len(gen.events)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def model_name(request: Request) -> str:
+    return request.app.state.settings.model_name
+
+
+def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None, default: int):
+    runner, metrics = request.app.state.runner, request.app.state.metrics
+    params = generation.sampling_or_422(lambda: body.sampling(max_tokens, default))
+    return generation.start(runner, metrics, prompt_ids, params)
+
+
+def completion_logprobs(events: list[TokenEvent]) -> dict:
+    return {"tokens": [e.text for e in events], "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": None, "text_offset": []}
+
+
+def chat_logprobs(events: list[TokenEvent]) -> dict:
+    return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()), "top_logprobs": []}
+                        for e in events]}
+
+
+async def openai_stream(gen: generation.Generation, body: OpenAISampling, make_chunk, include_usage: bool):
+    trimmer = StopTrimmer(body.stops)
+    try:
+        async for event in gen:
+            piece = trimmer.push(event)
+            finish = OPENAI_FINISH[event.finish_reason] if event.finish_reason else None
+            if piece or finish:
+                yield sse.event(make_chunk(piece, finish, [event]))
+        if include_usage:
+            yield sse.event(make_chunk(None, None, []) | {"choices": [], "usage": usage(gen)})
+    except APIError as e:
+        yield sse.event(error_body("/v1", e.status, e.message, e.error_type))
+    yield sse.event("[DONE]")
+
+
+def sse_response(body) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def create_router() -> APIRouter:
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/models")
+    async def models(request: Request):
+        runner = request.app.state.runner
+        generation.ensure_ready(runner)
+        return {"object": "list", "data": [{
+            "id": model_name(request), "object": "model", "created": request.app.state.started, "owned_by": "kvserve",
+            "max_model_len": runner.engine.max_seq_len}]}
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        runner = request.app.state.runner
+        prompt_ids = generation.tokenize_prompt(runner, body.prompt)
+        gen = admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
+        ident, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
+        want_logprobs = body.logprobs is not None
+
+        def chunk(text, finish, events):
+            choice = {"index": 0, "text": text, "finish_reason": finish,
+                      "logprobs": completion_logprobs(events) if want_logprobs and events else None}
+            return {"id": ident, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return sse_response(openai_stream(gen, body, chunk, include_usage))
+        await gen.complete(request)
+        text = "".join(StopTrimmer(body.stops).push(e) for e in gen.events)
+        result = chunk((body.prompt if body.echo else "") + text, OPENAI_FINISH[gen.events[-1].finish_reason], gen.events)
+        return JSONResponse(result | {"usage": usage(gen)})
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        runner = request.app.state.runner
+        generation.ensure_ready(runner)
+        try:
+            prompt = runner.engine.tokenizer.render_chat(body.rendered_messages())
+        except Exception as e:  # a template that raises on these messages is the client's to fix
+            raise APIError(422, f"the chat template could not render these messages: {e}", "validation") from None
+        prompt_ids = generation.tokenize_prompt(runner, prompt, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        gen = admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
+        ident, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
+        first = True
+
+        def chunk(text, finish, events):
+            nonlocal first
+            delta = {} if text is None else {"content": text}
+            if first and text is not None:
+                delta, first = {"role": "assistant", **delta}, False
+            choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                      "logprobs": chat_logprobs(events) if body.logprobs and events else None}
+            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": name,
+                    "choices": [choice]}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return sse_response(openai_stream(gen, body, chunk, include_usage))
+        await gen.complete(request)
+        text = "".join(StopTrimmer(body.stops).push(e) for e in gen.events)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": chat_logprobs(gen.events) if body.logprobs else None,
+                  "finish_reason": OPENAI_FINISH[gen.events[-1].finish_reason]}
+        return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": name,
+                             "choices": [choice], "usage": usage(gen)})
+
+    return router

@@ -1,0 +1,230 @@
+"""Runs the engine's step loop on a thread of its own and streams its events to asyncio tasks.
+
+Only the loop thread touches the engine. Requests and aborts reach it through a queue; its
+events come back to the event loop with `call_soon_threadsafe`, one batch per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from engine import Engine, SamplingParams, TokenEvent
+
+log = logging.getLogger("kvserve.runner")
+
+
+class Overloaded(Exception):
+    """The waiting queue is full."""
+
+
+class NotReady(Exception):
+    """The model is still loading (or failed to load)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the loop thread last saw, for metrics and /info: plain numbers, safe to read anywhere."""
+
+    running: int = 0
+    waiting: int = 0
+    slots: int = 0
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class Timed:
+    """An engine event with when it reached the event loop and, for a first token, when its slot was granted."""
+
+    event: TokenEvent
+    at: float
+    admitted_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    message: str
+
+
+class Stream:
+    """The client side of one request: its events, in order, ending with a finished one or a Failure."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrived_at: float):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.arrived_at = arrived_at
+        self.queue: asyncio.Queue[Timed | Failure] = asyncio.Queue()
+        self.finished = False
+        self.seed: int | None = None
+
+    async def next(self) -> Timed | Failure:
+        item = await self.queue.get()
+        if isinstance(item, Failure) or item.event.finish_reason is not None:
+            self.finished = True
+        return item
+
+
+class EngineRunner:
+    def __init__(self, load: Callable[[], Engine], max_queue: int = 64):
+        self._load = load
+        self.max_queue = max_queue
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+        self.snapshot = Snapshot()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, Stream] = {}
+        self._active = 0  # accepted and not yet finished, counted on the event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._changed = threading.Condition()  # notified whenever the snapshot changes
+
+    # ---- lifecycle (event loop side) ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def end_streams(self) -> None:
+        """End every open stream with a failure event (their requests are aborted as they close)."""
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(Failure("the server is shutting down"))
+
+    def end_streams_threadsafe(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.end_streams)
+
+    async def stop(self) -> None:
+        """End open streams and stop the loop thread."""
+        self.end_streams()
+        self._commands.put(("stop", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.engine is not None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def wait_for(self, predicate: Callable[[Snapshot], bool], timeout: float | None = None) -> bool:
+        """Block until the loop thread publishes a snapshot that satisfies `predicate`."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self.snapshot), timeout)
+
+    # ---- requests (event loop side) -----------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Accepted requests beyond the slots: they wait, first come first served."""
+        return max(0, self._active - self.engine.cache.slots) if self.engine else 0
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
+        if not self.ready:
+            raise NotReady(self.load_error or "the model is still loading")
+        if self.waiting >= self.max_queue and self._active >= self.engine.cache.slots:
+            raise Overloaded(f"{self.waiting} requests are already waiting (max_queue = {self.max_queue})")
+        stream = Stream(f"req-{uuid.uuid4().hex[:16]}", prompt_ids, params, time.perf_counter())
+        self._streams[stream.request_id] = stream
+        self._active += 1
+        self._commands.put(("add", stream))
+        return stream
+
+    def release(self, stream: Stream) -> None:
+        """The client is done with a stream: abort it in the engine unless it already finished."""
+        if self._streams.pop(stream.request_id, None) is None:
+            return
+        self._active -= 1
+        if not stream.finished:
+            self._commands.put(("abort", stream.request_id))
+
+    def _deliver(self, items: list[tuple[str, Timed | Failure]]) -> None:
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.queue.put_nowait(item)
+
+    # ---- the loop thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+        except Exception as e:  # reported by /health and every request, never a crash
+            self.load_error = f"the model failed to load: {type(e).__name__}: {e}"
+            log.error(self.load_error)
+            self._ready.set()
+            return
+        self._update_snapshot()
+        self._ready.set()
+        log.info("ready: %d slots x %d tokens", self.engine.cache.slots, self.engine.max_seq_len)
+        while self._drain_commands(block=not self.engine.has_work):
+            step_started = time.perf_counter()
+            try:
+                events = self.engine.step()
+            except Exception:  # a bug: fail the requests in flight, keep serving the next ones
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                self._fail_all("internal error during generation")
+                continue
+            self._update_snapshot()
+            now = time.perf_counter()
+            self._send([(e.request_id, Timed(e, now, step_started if e.index == 0 else None)) for e in events])
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; wait for one if there is nothing else to do. False to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            kind, payload = command
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(payload)
+            elif kind == "abort":
+                self.engine.abort(payload)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                self._update_snapshot()
+                return True
+
+    def _add(self, stream: Stream) -> None:
+        try:
+            request = self.engine.add_request(stream.prompt_ids, stream.params, request_id=stream.request_id)
+            stream.seed = request.seed
+        except Exception as e:  # validated before submission; anything left is reported, not raised
+            self._send([(stream.request_id, Failure(f"{type(e).__name__}: {e}"))])
+
+    def _fail_all(self, message: str) -> None:
+        ids = list(self.engine.requests)
+        for request_id in ids:
+            self.engine.abort(request_id)
+        self._update_snapshot()
+        self._send([(request_id, Failure(message)) for request_id in ids])
+
+    def _send(self, items: list) -> None:
+        if items:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _update_snapshot(self) -> None:
+        engine = self.engine
+        with self._changed:
+            self.snapshot = Snapshot(engine.num_running, engine.num_waiting, engine.cache.slots,
+                                     engine.cache.capacity_bytes, engine.cache_used_bytes)
+            self._changed.notify_all()

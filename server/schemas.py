@@ -1,0 +1,194 @@
+"""Request bodies: the TGI shape for /generate and the OpenAI shapes for /v1. Validation lives here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine import SamplingParams
+
+
+class Strict(BaseModel):
+    # Unknown fields are errors that name them: a typo must not be silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+def unsupported(model: BaseModel, neutral: dict[str, tuple]) -> None:
+    """Fields a client library sends at neutral values on every request: accepted only at those values."""
+    for name, allowed in neutral.items():
+        value = getattr(model, name)
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} is not supported by kvserve (accepted: {', '.join(map(repr, allowed))})")
+
+
+class TGIParameters(Strict):
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    do_sample: bool = False
+    seed: int | None = Field(default=None, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    details: bool = False
+    return_full_text: bool | None = False
+    truncate: int | None = Field(default=None, ge=1)
+    # TGI fields kvserve does not implement: their neutral values only.
+    best_of: int | None = None
+    watermark: bool = False
+    typical_p: float | None = None
+    top_n_tokens: int | None = None
+    decoder_input_details: bool = False
+    grammar: Any = None
+    adapter_id: str | None = None
+
+    @model_validator(mode="after")
+    def _neutral(self):
+        unsupported(self, {"best_of": (None, 1), "watermark": (False,), "typical_p": (None, 1.0),
+                           "top_n_tokens": (None, 0), "decoder_input_details": (False,), "grammar": (None,),
+                           "adapter_id": (None, "")})
+        return self
+
+    def sampling(self, default_max_new_tokens: int) -> SamplingParams:
+        # As TGI: sampling when asked, or when any warper is set; otherwise greedy.
+        warped = (self.temperature not in (None, 1.0) or (self.top_k or 0) > 0 or (self.top_p or 1.0) < 1
+                  or (self.min_p or 0) > 0)
+        sample = (self.do_sample or warped) and self.temperature != 0
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens or default_max_new_tokens,
+            temperature=(self.temperature if self.temperature is not None else 1.0) if sample else 0.0,
+            top_k=self.top_k or 0,
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            stop=tuple(self.stop),
+        )
+
+
+class GenerateRequest(Strict):
+    inputs: str = Field(min_length=1)
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False
+
+
+class TokenizeRequest(Strict):
+    inputs: str
+    parameters: dict | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class OpenAISampling(BaseModel):
+    """Fields common to completions and chat; unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    user: str | None = None
+    logit_bias: dict | None = None
+    # Extensions, as vLLM offers them.
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.n != 1:
+            raise ValueError(f"n={self.n} is not supported: kvserve returns one choice per request (n=1)")
+        unsupported(self, {"logit_bias": (None, {})})
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def sampling(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_tokens or default_max_tokens,
+            temperature=self.temperature if self.temperature is not None else 1.0,
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            stop=self.stops,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=0)  # the chosen token's logprob only
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise ValueError("prompt: send one prompt per request (a list of exactly one string)")
+            self.prompt = self.prompt[0]
+        if not self.prompt:
+            raise ValueError("prompt is empty")
+        unsupported(self, {"suffix": (None, ""), "best_of": (None, 1)})
+        return self
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _neutral_fields(self):
+        unsupported(self, {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+                           "parallel_tool_calls": (None, True, False)})
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format other than {'type': 'text'} is not supported by kvserve")
+        return self
+
+    def rendered_messages(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages]

@@ -1,0 +1,69 @@
+"""Server settings: command-line flags, each with a KVSERVE_* environment variable as its default."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str | None = None  # None: the default model
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_size: int = 8
+    max_seq_len: int | None = 2048
+    kv_cache_memory: str | None = None
+    max_queue: int = 64
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    model_name: str = "kvserve"
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
+                            kv_cache_memory=self.kv_cache_memory, device=self.device, dtype=self.dtype, seed=self.seed)
+
+
+FLAGS = [
+    # (flag, type, help)
+    ("model", str, "a Hugging Face folder, a .gguf file, or 'smollm2-135m-instruct' (the default, fetched on first use)"),
+    ("host", str, "address to listen on (use 0.0.0.0 to listen on all interfaces)"),
+    ("port", int, "port to listen on"),
+    ("device", str, "cpu, cuda, cuda:N or auto (CUDA when available)"),
+    ("dtype", str, "float32, bfloat16, float16 or auto (bfloat16 on CUDA and on CPUs with native bf16)"),
+    ("max_batch_size", int, "KV-cache slots: sequences decoded together; more requests wait in a FIFO queue"),
+    ("max_seq_len", int, "context length per slot (prompt + generated tokens); at most the model's"),
+    ("kv_cache_memory", str, "size the KV cache from a memory budget instead, e.g. 1GiB (sets the slots)"),
+    ("max_queue", int, "requests that may wait for a slot; beyond that the server answers 429"),
+    ("api_key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
+    ("max_body_bytes", int, "largest request body accepted; larger ones get 413"),
+    ("model_name", str, "the model id reported by /v1/models and in OpenAI responses"),
+    ("seed", int, "seed for the seeds of requests that bring none (reproducible runs)"),
+]
+
+
+def parse(argv: list[str] | None = None) -> Settings:
+    defaults = Settings()
+    parser = argparse.ArgumentParser(
+        prog="python -m server", description="kvserve: serve a Llama-family model over HTTP (TGI and OpenAI routes).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, kind, help_text in FLAGS:
+        env = f"KVSERVE_{name.upper()}"
+        raw = os.environ.get(env)
+        default = kind(raw) if raw not in (None, "") else getattr(defaults, name)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=f"{help_text} [env {env}]")
+    args = parser.parse_args(argv)
+    return Settings(**vars(args))

@@ -1,0 +1,80 @@
+"""POST /generate, /generate_stream and / in the shape of text-generation-inference."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine import FinishReason, TokenEvent
+from server import generation, sse
+from server.errors import APIError, error_body
+from server.schemas import GenerateRequest
+
+TGI_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "eos_token", FinishReason.STOP: "stop_sequence",
+              FinishReason.ABORT: "length"}
+DEFAULT_MAX_NEW_TOKENS = 100
+
+
+def token(event: TokenEvent) -> dict:
+    return {"id": event.token_id, "text": event.text, "logprob": event.logprob, "special": event.special}
+
+
+def details(gen: generation.Generation, input_length: int, with_tokens: bool) -> dict:
+    last = gen.events[-1]
+    body = {"finish_reason": TGI_FINISH[last.finish_reason], "generated_tokens": len(gen.events),
+            "seed": gen.stream.seed if gen.stream.params.temperature > 0 else None, "input_length": input_length}
+    if with_tokens:
+        body |= {"prefill": [], "tokens": [token(e) for e in gen.events]}
+    return body
+
+
+def admit(body: GenerateRequest, request: Request) -> tuple[generation.Generation, str]:
+    runner, metrics = request.app.state.runner, request.app.state.metrics
+    prompt_ids = generation.tokenize_prompt(runner, body.inputs)
+    if body.parameters.truncate:
+        prompt_ids = prompt_ids[-body.parameters.truncate:]
+    default = max(1, min(DEFAULT_MAX_NEW_TOKENS, generation.room(runner, prompt_ids)))
+    params = generation.sampling_or_422(lambda: body.parameters.sampling(default))
+    prefix = body.inputs if body.parameters.return_full_text else ""
+    return generation.start(runner, metrics, prompt_ids, params), prefix
+
+
+async def stream_events(gen: generation.Generation, prefix: str, want_details: bool):
+    input_length = len(gen.stream.prompt_ids)
+    try:
+        async for event in gen:
+            done = event.finish_reason is not None
+            yield sse.event({
+                "index": event.index, "token": token(event), "top_tokens": None,
+                "generated_text": prefix + gen.text if done else None,
+                "details": details(gen, input_length, with_tokens=False) if done and want_details else None,
+            }, space=False)
+    except APIError as e:  # after the first byte: the error travels as an event, then the stream ends
+        yield sse.event(error_body("/generate", e.status, e.message, e.error_type), space=False)
+
+
+def create_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        if body.stream or "text/event-stream" in request.headers.get("accept", ""):
+            return await generate_stream(body, request)
+        gen, prefix = admit(body, request)
+        await gen.complete(request)
+        result = {"generated_text": prefix + gen.text}
+        if body.parameters.details:
+            result["details"] = details(gen, len(gen.stream.prompt_ids), with_tokens=True)
+        return JSONResponse(result)
+
+    @router.post("/generate_stream")
+    async def generate_stream(body: GenerateRequest, request: Request):
+        gen, prefix = admit(body, request)
+        return StreamingResponse(stream_events(gen, prefix, body.parameters.details), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @router.post("/")
+    async def compat(body: GenerateRequest, request: Request):
+        return await (generate_stream(body, request) if body.stream else generate(body, request))
+
+    return router
