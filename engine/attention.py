@@ -48,13 +48,12 @@ class Attention(nn.Module):
         batch: PrefillBatch | DecodeBatch,
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Reshape exposes the head axis, transpose moves it before the positions.
-        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (b, h_q, s, d)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, h_kv, s, d)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, h_kv, s, d)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        heads = self.qkv_proj(x).view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # (b, s, h_q+2h_kv, d)
+        heads = heads.transpose(1, 2)  # (b, h_q + 2·h_kv, s, d)
+        qk = apply_rope(heads[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k heads rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (b, h_q, s, d), (b, h_kv, s, d)
+        v = heads[:, self.num_heads + self.num_kv_heads:]  # (b, h_kv, s, d)
         keys, values = batch.store(cache[0], cache[1], k, v)
         out = grouped_attention(q, keys, values, batch.mask)  # (b, h_q, s, d)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.q_size))  # (b, s, h_q·d) -> (b, s, hidden)

@@ -44,20 +44,18 @@ class RotaryTable:
     def __init__(self, config: ModelConfig, max_seq_len: int, device: torch.device, dtype: torch.dtype):
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, d/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (T, d): half-split layout repeats each pair's angle
-        self.cos = angles.cos().to(device=device, dtype=dtype)
-        self.sin = angles.sin().to(device=device, dtype=dtype)
+        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(device=device, dtype=dtype)  # (T, d)
+        # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]: the sign is folded into the table.
+        self.signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(device=device, dtype=dtype)  # (T, d)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (b, s) -> cos, sin of shape (b, 1, s, d), broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (b, heads, s, d) rotated by each position's angle: pair (i, i + d/2) turns as one 2-D vector.
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (b, heads, s, d) rotated by each position's angle."""
-    return x * cos + rotate_half(x) * sin
+    Equals x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
