@@ -166,8 +166,8 @@ class Engine:
         return [self._completion(r, logprobs[r.request_id]) for r in requests]
 
     @torch.inference_mode()
-    def prompt_logits(self, prompt: str | Sequence[int]) -> torch.Tensor:
-        """Logits (n, V) float32 at every position of one prompt, through the prefill path."""
+    def prompt_logits(self, prompt: str | Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Logits (n, V) float32 at every position of one prompt (or (1, V) for the last), through the prefill path."""
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) > self.max_seq_len:
             raise InvalidParameter(f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len {self.max_seq_len}")
@@ -176,7 +176,8 @@ class Engine:
         slot = self.scheduler.free_slots[0]
         tokens = torch.tensor(prompt_ids, device=self.device)
         chunks = [self._forward_chunk(tokens, slot, start) for start in range(0, len(prompt_ids), self.config.prefill_chunk_size)]
-        return self.model.logits(torch.cat(chunks, dim=1))[0]
+        hidden = chunks[-1][:, -1:] if last_only else torch.cat(chunks, dim=1)
+        return self.model.logits(hidden)[0]
 
     # ---- the state the server reports ------------------------------------------------------
 

@@ -1,0 +1,59 @@
+"""python -m bench {memory,speed,cache,decode,serve}: measured comparisons, as tables, JSON and plots."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for the tables, JSON and PNGs")
+    parser.add_argument("--quick", action="store_true", help="a small run that finishes in under a minute")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    memory = commands.add_parser("memory", help="KV cache bytes: MHA vs GQA vs MQA, formula vs allocated")
+    memory.add_argument("--model", default=None, help="take the shape from a checkpoint folder")
+    memory.add_argument("--layers", type=int, default=None)
+    memory.add_argument("--heads", type=int, default=None)
+    memory.add_argument("--head-dim", type=int, default=None)
+    memory.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+
+    speed = commands.add_parser("speed", help="decode and prefill speed of MHA vs GQA vs MQA (random weights)")
+    speed.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+
+    cache = commands.add_parser("cache", help="cached incremental decode vs recomputing the prefix per token")
+    cache.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    decode = commands.add_parser("decode", help="kvserve vs transformers on one checkpoint")
+    decode.add_argument("--model", default=None, help="checkpoint (default: the default model)")
+    decode.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    decode.add_argument("--prompt-tokens", type=int, default=32)
+    decode.add_argument("--new-tokens", type=int, default=128)
+    decode.add_argument("--repeats", type=int, default=3)
+
+    serve = commands.add_parser("serve", help="load on the HTTP server: TTFT, inter-token latency, throughput")
+    serve.add_argument("--url", default=None, help="a running server (default: start one on a free port)")
+    serve.add_argument("--model", default=None, help="model for the server this starts (default: the default model)")
+    serve.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent streams")
+    serve.add_argument("--prompt-tokens", type=int, default=32)
+    serve.add_argument("--new-tokens", type=int, default=64)
+    serve.add_argument("--requests", type=int, default=None, help="requests per level (default: 2x concurrency)")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--max-batch-size", type=int, default=16)
+
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from importlib import import_module
+
+    import_module(f"bench.{args.command}").run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

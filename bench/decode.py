@@ -1,0 +1,89 @@
+"""kvserve vs transformers on the same checkpoint, dtype and threads: decode, batch throughput, prefill."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from bench.common import Timing, machine, machine_line, markdown_table, plot, timed, write_results
+from engine import Engine, EngineConfig, SamplingParams
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from weights.resolve import resolve_model
+
+    new_tokens = 32 if args.quick else args.new_tokens
+    repeats = 1 if args.quick else args.repeats
+    path = resolve_model(args.model)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    ours = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=8, max_seq_len=1024))
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    generator = torch.Generator().manual_seed(0)
+    vocab = ours.model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=generator).tolist() for _ in range(8)]
+    long_prompt = torch.randint(3, vocab, (512,), generator=generator).tolist()
+
+    def ours_generate(batch: list[list[int]], n: int):
+        return ours.generate(batch, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+
+    @torch.inference_mode()
+    def theirs_generate(batch: list[list[int]], n: int):
+        return theirs.generate(torch.tensor(batch), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)
+
+    results: dict[str, dict[str, Timing]] = {}
+    for name, gen in (("kvserve", ours_generate), ("transformers", theirs_generate)):
+        one = timed(lambda: gen(prompts[:1], 1), repeats)
+        full = timed(lambda: gen(prompts[:1], new_tokens), repeats)
+        batch = timed(lambda: gen(prompts, new_tokens), repeats)
+        prefill = timed(lambda: gen([long_prompt], 1), repeats)
+        decode = Timing(*(((f - o) / (new_tokens - 1)) for f, o in (
+            (full.median, one.median), (full.low, one.low), (full.high, one.high))), repeats)
+        results[name] = {"decode_per_token": decode, "batch8": batch, "prefill512": prefill}
+
+    capacity = context_independence(ours.model, repeats)
+    rows, payload = [], {"machine": machine(), "model": str(path), "dtype": args.dtype,
+                         "prompt_tokens": args.prompt_tokens, "new_tokens": new_tokens, "results": {}, "capacity": capacity}
+    for name, r in results.items():
+        tps = 8 * new_tokens / r["batch8"].median
+        rows.append([name, r["decode_per_token"].ms(), f"{tps:.1f}", r["prefill512"].ms()])
+        payload["results"][name] = {k: v.as_dict() for k, v in r.items()} | {"batch8_tokens_per_s": tps}
+    k, t = results["kvserve"], results["transformers"]
+    ratios = {
+        "decode_speedup": t["decode_per_token"].median / k["decode_per_token"].median,
+        "batch8_speedup": t["batch8"].median / k["batch8"].median,
+        "prefill_speedup": t["prefill512"].median / k["prefill512"].median,
+    }
+    payload["ratios"] = ratios
+    rows.append(["transformers / kvserve", f"{ratios['decode_speedup']:.2f}x faster",
+                 f"{ratios['batch8_speedup']:.2f}x", f"{ratios['prefill_speedup']:.2f}x faster"])
+    table = "\n".join([
+        f"# kvserve vs transformers ({args.dtype}, {Path(path).name})", "", machine_line(payload["machine"]), "",
+        f"Prompt {args.prompt_tokens} tokens, {new_tokens} new tokens, greedy; median (min-max) of {repeats} runs.", "",
+        markdown_table(["", "batch-1 decode ms/token", "batch-8 total tokens/s", "prefill 512 tokens ms"], rows), "",
+        f"Decode step at context 128: {capacity['ms_512']:.1f} ms with max_seq_len 512, {capacity['ms_8192']:.1f} ms "
+        f"with max_seq_len 8192 (ratio {capacity['ratio']:.2f}; attention reads only the filled positions).",
+    ])
+    write_results(args.out, f"decode_{args.dtype}", payload, table)
+    plot(args.out, f"decode_{args.dtype}", f"Decode: kvserve vs transformers ({args.dtype})", "batch size",
+         "output tokens/s", {name: ([1, 8], [1 / r["decode_per_token"].median, 8 * new_tokens / r["batch8"].median])
+                             for name, r in results.items()})
+    print(table)
+    return payload
+
+
+def context_independence(model, repeats: int) -> dict:
+    """Decode step time at context 128 whether the cache holds 512 or 8192 positions per slot."""
+    timings = {}
+    for capacity in (512, 8192):
+        engine = Engine(model, None, EngineConfig(max_batch_size=1, max_seq_len=capacity, device="cpu"))
+        request = engine.add_request(list(range(10, 138)), SamplingParams(max_new_tokens=capacity - 200, temperature=0,
+                                                                            ignore_eos=True))
+        engine.step()  # prefill: 128 positions held
+        timings[capacity] = timed(engine.step, max(5, repeats * 5), warmup=2).median * 1e3
+        engine.abort(request.request_id)
+    return {"ms_512": timings[512], "ms_8192": timings[8192], "ratio": timings[8192] / timings[512]}

@@ -1,0 +1,183 @@
+"""Load on the HTTP server: N concurrent streaming clients, client-side latencies, and the server's own view."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+
+from bench.common import machine, machine_line, markdown_table, plot, write_results
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name in ("kvserve_generation_tokens_total", "kvserve_prompt_tokens_total"):
+                values[sample.name] = sample.value
+            elif sample.name == "kvserve_requests_total":
+                values["requests"] = values.get("requests", 0) + sample.value
+    return values
+
+
+@contextmanager
+def local_server(args: argparse.Namespace):
+    """`python -m server` on a free port, until the block ends; yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "server", "--port", str(port), "--dtype", args.dtype,
+               "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024", "--max-seq-len", "1024"]
+    if args.model:
+        command += ["--model", args.model]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    try:
+        for line in process.stdout:  # the log line that says the model is loaded
+            if "ready:" in line:
+                break
+            if "failed to load" in line or process.poll() is not None:
+                raise RuntimeError(f"the server did not start: {line.strip()}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, new_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": new_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return {"error": f"HTTP {response.status_code}"}
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return {"error": chunk["error"]["message"]}
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    else:
+                        stamps.append(time.perf_counter())
+    except httpx.HTTPError as e:
+        return {"error": type(e).__name__}
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"ttft": stamps[0] - started, "gaps": gaps, "e2e": stamps[-1] - started, "tokens": tokens}
+
+
+async def level(url: str, concurrency: int, requests: int, prompt: str, new_tokens: int) -> tuple[list[dict], float]:
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def limited(client):
+        async with semaphore:
+            return await one_request(client, prompt, new_tokens)
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(limited(client) for _ in range(requests)))
+        return results, time.perf_counter() - started
+
+
+def offline_tokens_per_s(args: argparse.Namespace, prompt: str, new_tokens: int) -> float | None:
+    """The same single request through the engine in this process, for the HTTP overhead ratio."""
+    if args.url:
+        return None
+    from engine import Engine, EngineConfig, SamplingParams
+    from weights.resolve import resolve_model
+
+    engine = Engine.from_pretrained(resolve_model(args.model), EngineConfig(dtype=args.dtype, max_batch_size=1,
+                                                                            max_seq_len=1024))
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engine.generate([prompt], params)  # warm-up
+    started = time.perf_counter()
+    engine.generate([prompt], params)
+    return new_tokens / (time.perf_counter() - started)
+
+
+def run(args: argparse.Namespace) -> dict:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    new_tokens = min(args.new_tokens, 8) if args.quick else args.new_tokens
+    prompt = " ".join(["hello"] * args.prompt_tokens)
+    offline = offline_tokens_per_s(args, prompt, new_tokens)
+    rows, records = [], []
+    with (local_server(args) if args.url is None else _given(args.url)) as url:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            asyncio.run(level(url, 1, 1, prompt, new_tokens))  # warm-up
+            before = scrape(client)
+            for concurrency in levels:
+                requests = args.requests or (concurrency if args.quick else 2 * concurrency)
+                results, wall = asyncio.run(level(url, concurrency, requests, prompt, new_tokens))
+                ok = [r for r in results if "error" not in r]
+                tokens = sum(r["tokens"] for r in ok)
+                ttft = [r["ttft"] for r in ok]
+                itl = [g for r in ok for g in r["gaps"]]
+                e2e = [r["e2e"] for r in ok]
+                record = {
+                    "concurrency": concurrency, "requests": requests, "errors": len(results) - len(ok),
+                    "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+                    "requests_per_s": len(ok) / wall,
+                    **{f"{name}_p{q}_s": percentile(values, q) for name, values in
+                       (("ttft", ttft), ("itl", itl), ("e2e", e2e)) for q in (50, 90, 99)},
+                }
+                records.append(record)
+                rows.append([concurrency, requests, record["errors"], f"{record['output_tokens_per_s']:.1f}",
+                             f"{record['requests_per_s']:.2f}",
+                             " / ".join(f"{percentile(ttft, q) * 1e3:.0f}" for q in (50, 90, 99)),
+                             " / ".join(f"{percentile(itl, q) * 1e3:.0f}" for q in (50, 90, 99)),
+                             " / ".join(f"{percentile(e2e, q):.2f}" for q in (50, 90, 99))])
+            after = scrape(client)
+    server_view = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    client_tokens = sum(r["output_tokens"] for r in records)
+    client_requests = sum(r["requests"] - r["errors"] for r in records)
+    single = records[0]["output_tokens_per_s"] if levels[0] == 1 else None
+    info = machine()
+    lines = [
+        f"# Load on the HTTP server ({prompt.count('hello')}-word prompt, {new_tokens} new tokens per request, streaming)",
+        "", machine_line(info), "",
+        markdown_table(["concurrency", "requests", "errors", "output tokens/s", "requests/s", "TTFT ms p50/p90/p99",
+                        "inter-token ms p50/p90/p99", "end-to-end s p50/p90/p99"], rows), "",
+        f"Server's /metrics over the run: {server_view.get('kvserve_generation_tokens_total', 0):.0f} tokens and "
+        f"{server_view.get('requests', 0):.0f} requests; clients received {client_tokens} tokens in {client_requests} "
+        "requests.",
+    ]
+    if single and len(levels) > 1:
+        lines.append(f"Aggregate tokens/s at concurrency {levels[-1]} / concurrency 1: "
+                     f"{records[-1]['output_tokens_per_s'] / single:.2f}x.")
+    if offline and single:
+        lines.append(f"One request over HTTP: {single:.1f} tokens/s; the same request offline in the engine: "
+                     f"{offline:.1f} tokens/s (HTTP / offline = {single / offline:.2f}).")
+    table = "\n".join(lines)
+    payload = {"machine": info, "new_tokens": new_tokens, "levels": records, "server_view": server_view,
+               "client_tokens": client_tokens, "client_requests": client_requests, "offline_tokens_per_s": offline}
+    write_results(args.out, "serve", payload, table)
+    plot(args.out, "serve", "HTTP streaming throughput and latency", "concurrent streams", "output tokens/s",
+         {"output tokens/s": (levels, [r["output_tokens_per_s"] for r in records])}, logx=True)
+    print(table)
+    return payload
+
+
+@contextmanager
+def _given(url: str):
+    yield url

@@ -1,0 +1,60 @@
+"""`python -m bench --quick` of memory, cache and serve: they run, and their figures have the right structure.
+
+Timings are never asserted (they belong to bench/, on a noisy shared machine); exact formula values are.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "bench", "--out", str(tmp_path), "--quick", *args],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_memory_rows_equal_the_formula(tmp_path):
+    result = bench(tmp_path, "memory", "--dtype", "bfloat16")
+    payload = json.loads((tmp_path / "memory.json").read_text())
+    shape = payload["shape"]
+    assert (shape["num_layers"], shape["num_heads"], shape["head_dim"]) == (30, 9, 64)
+    assert {r["variant"] for r in payload["rows"]} == {"MHA", "GQA (9q/3kv)", "MQA"}
+    for row in payload["rows"]:
+        formula = 2 * row["B"] * shape["num_layers"] * row["T"] * row["h_kv"] * shape["head_dim"] * 2
+        assert row["formula_bytes"] == formula
+        assert row["allocated_bytes"] == formula
+        assert row["ratio_to_mha"] == pytest.approx(row["h_kv"] / shape["num_heads"])
+        per_sequence = formula // row["B"]
+        assert row["sequences_fit"]["1 GiB"] == (1 << 30) // per_sequence
+    assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "memory.md").is_file()
+    assert "| MHA | 1 | 256 | 17,694,720 | 17,694,720 |" in result.stdout
+    assert result.stdout.count("Machine:") == 1
+
+
+def test_cache_compares_cached_decode_with_recompute(tmp_path):
+    bench(tmp_path, "cache")
+    payload = json.loads((tmp_path / "cache.json").read_text())
+    assert [r["position"] for r in payload["rows"]] == [32, 64, 128]
+    for row in payload["rows"]:
+        assert row["speedup"] == pytest.approx(row["recompute"]["median_s"] / row["cached"]["median_s"])
+        assert row["cached"]["min_s"] <= row["cached"]["median_s"] <= row["cached"]["max_s"]
+    assert (tmp_path / "cache.png").stat().st_size > 0
+
+
+def test_serve_load_agrees_with_the_servers_metrics(tmp_path, model_dir):
+    bench(tmp_path, "serve", "--model", str(model_dir("long")), "--concurrency", "1,4", "--dtype", "float32")
+    payload = json.loads((tmp_path / "serve.json").read_text())
+    assert [level["concurrency"] for level in payload["levels"]] == [1, 4]
+    for level in payload["levels"]:
+        assert level["errors"] == 0
+        assert level["output_tokens"] == level["requests"] * payload["new_tokens"]
+        assert level["ttft_p50_s"] <= level["ttft_p99_s"]
+    assert payload["server_view"]["kvserve_generation_tokens_total"] == payload["client_tokens"]
+    assert payload["server_view"]["requests"] == payload["client_requests"]
+    assert (tmp_path / "serve.png").stat().st_size > 0
