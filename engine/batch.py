@@ -6,6 +6,7 @@ The model is called with one of these as an argument; it holds no serving state 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -64,13 +65,14 @@ class DecodeBatch:
             key_pos = torch.arange(self.kv_len, device=self.device)
             self.mask = (key_pos[None, :] <= lengths[:, None])[:, None, None, :]  # (b, 1, 1, kv_len)
 
-    @property
+    @cached_property
     def kv_len(self) -> int:
         """Keys read per row: the longest slot's, not the cache's T, so cost follows what is filled."""
         return max(self.lengths) + 1
 
-    @property
+    @cached_property
     def contiguous_slots(self) -> slice | None:
+        """The slots as one range when they are one (reads are then views, not gathered copies)."""
         lo, hi = self.slots[0], self.slots[-1] + 1
         return slice(lo, hi) if self.slots == list(range(lo, hi)) else None
 

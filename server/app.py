@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import generation, openai_api, tgi
-from server.errors import APIError, error_response
+from server.errors import APIError, GenerationFailed, error_response
 from server.metrics import Metrics
 from server.runner import EngineRunner
 from server.schemas import TokenizeRequest
@@ -79,7 +79,8 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        metrics.failures.labels(reason=e.error_type).inc()
+        if not isinstance(e, GenerationFailed):  # those were counted where they happened
+            metrics.failures.labels(reason=e.error_type).inc()
         return error_response(request.url.path, e.status, e.message, e.error_type, e.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from engine import InvalidParameter, SamplingParams, TokenEvent
-from server.errors import APIError
+from server.errors import APIError, GenerationFailed
 from server.metrics import Metrics
 from server.runner import EngineRunner, Failure, NotReady, Overloaded, Stream
 
@@ -39,8 +39,8 @@ class Generation:
             while True:
                 item = await stream.next()
                 if isinstance(item, Failure):
-                    metrics.failures.labels(reason="generation").inc()
-                    raise APIError(500, item.message, "generation")
+                    metrics.failures.labels(reason=item.error_type).inc()
+                    raise GenerationFailed(item.status, item.message, item.error_type)
                 if last_at is None:
                     metrics.time_to_first_token.observe(item.at - stream.arrived_at)
                     metrics.request_queue.observe(item.admitted_at - stream.arrived_at)
@@ -56,6 +56,8 @@ class Generation:
                 if item.event.finish_reason is not None:
                     return
         finally:
+            if not stream.finished:  # the stream was cancelled: its client went away
+                metrics.failures.labels(reason="client_disconnect").inc()
             self.runner.release(stream)
 
     async def complete(self, request: Request) -> "Generation":
@@ -71,9 +73,8 @@ class Generation:
     async def _watch_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self.metrics.failures.labels(reason="client_disconnect").inc()
         self.runner.release(self.stream)
-        self.stream.queue.put_nowait(Failure("client disconnected"))
+        self.stream.queue.put_nowait(Failure("client disconnected", 499, "client_disconnect"))
 
 
 def tokenize_prompt(runner: EngineRunner, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -55,7 +55,11 @@ class Timed:
 
 @dataclass(frozen=True)
 class Failure:
+    """The end of a stream that did not finish: the status and type its client is told."""
+
     message: str
+    status: int = 500
+    error_type: str = "internal"
 
 
 class Stream:
@@ -102,7 +106,7 @@ class EngineRunner:
     def end_streams(self) -> None:
         """End every open stream with a failure event (their requests are aborted as they close)."""
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(Failure("the server is shutting down"))
+            stream.queue.put_nowait(Failure("the server is shutting down", 503, "unavailable"))
 
     def end_streams_threadsafe(self) -> None:
         if self._loop is not None:

@@ -148,26 +148,25 @@ def test_imported_tokenizer_and_template_match_the_source(gguf_model, tiny_dir):
     assert ours.eos_token_ids == (2,)
 
 
-def test_unsupported_quantization_is_named(tiny_dir, tmp_path):
-    path = tmp_path / "iq.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((16, 36), dtype=np.uint8),
-                      raw_dtype=GGMLQuantizationType.IQ4_NL)
+def write_minimal_gguf(path, arch: str, tensors: dict | None = None):
+    writer = GGUFWriter(str(path), arch)
+    for name, (data, qtype) in (tensors or {}).items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unsupported_quantization_is_named(tmp_path):
+    path = write_minimal_gguf(tmp_path / "iq.gguf", "llama", {
+        "token_embd.weight": (np.zeros((16, 36), dtype=np.uint8), GGMLQuantizationType.IQ4_NL)})
     with pytest.raises(GGUFError, match="tensor token_embd.weight has quantization type IQ4_NL, which kvserve does not read"):
         import_gguf(path, tmp_path / "out", progress=False)
 
 
 def test_unknown_architecture_is_named(tmp_path):
-    path = tmp_path / "gpt2.gguf"
-    writer = GGUFWriter(str(path), "gpt2")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_minimal_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
         import_gguf(path, tmp_path / "out", progress=False)
