@@ -237,7 +237,7 @@ class Engine:
     def _append(self, request: Request, token: int, logprob: float) -> TokenEvent:
         request.output_ids.append(token)
         text = request.detokenizer.push(token) if request.detokenizer else ""
-        reason, stop_string = self._finish_reason(request, token)
+        reason, stop_string = self._finish_reason(request, token, text)
         if reason is not None:
             if request.detokenizer:
                 text += request.detokenizer.flush()
@@ -248,12 +248,13 @@ class Engine:
         return TokenEvent(request.request_id, len(request.output_ids) - 1, token, text, logprob, special,
                           reason, stop_string)
 
-    def _finish_reason(self, request: Request, token: int) -> tuple[FinishReason | None, str | None]:
+    def _finish_reason(self, request: Request, token: int, piece: str) -> tuple[FinishReason | None, str | None]:
         params = request.params
         if token in params.stop_token_ids or (not params.ignore_eos and self.tokenizer and token in self.tokenizer.eos_token_ids):
             return FinishReason.EOS, None
-        if params.stop:
-            window = request.text[-(max(map(len, params.stop)) + 16):]
+        if params.stop and piece:
+            # Only a stop string that ends inside the new piece can be new: earlier text was checked already.
+            window = request.text[-(len(piece) + max(map(len, params.stop)) - 1):]
             for stop in params.stop:
                 if stop in window:
                     return FinishReason.STOP, stop

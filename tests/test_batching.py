@@ -85,3 +85,19 @@ def test_finish_reasons(make_engine):
         (by_string,) = engine.generate(["Paris"], SamplingParams(max_new_tokens=3, temperature=0, stop=(stop,)))
         assert by_string.finish_reason == "stop" and stop in by_string.text
     assert eos in tokenizer.eos_token_ids
+
+
+def test_stop_string_spanning_tokens_ends_the_request_where_it_first_appears(make_engine):
+    engine = make_engine()
+    params = dict(max_new_tokens=30, temperature=0, ignore_eos=True)
+    (free,) = engine.generate(["The quick brown"], SamplingParams(**params))
+    text = free.text
+    stop = next((text[i:i + 4] for i in range(3, len(text) - 4) if text[i:i + 4].strip() == text[i:i + 4]), None)
+    if stop is None:
+        pytest.skip("this random model produced no usable four-character stretch")
+    (stopped,) = engine.generate(["The quick brown"], SamplingParams(stop=(stop,), **params))
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids == free.output_ids[: len(stopped.output_ids)]
+    # It stopped at the first token that completed the stop string, not before and not after.
+    assert stop in engine.tokenizer.decode(stopped.output_ids)
+    assert stop not in engine.tokenizer.decode(stopped.output_ids[:-1])

@@ -300,3 +300,24 @@ def test_info_tokenize_and_models(server, offline):
         tokens = client.post("/tokenize", json={"inputs": "Paris is"}).json()
         assert [t["id"] for t in tokens] == offline.tokenizer.encode("Paris is")
         assert "".join(t["text"] for t in tokens) == "Paris is"
+
+
+def test_non_streaming_client_that_leaves_frees_its_slot(server):
+    import socket
+    from urllib.parse import urlparse
+
+    address = urlparse(server.url)
+    before = metric_values(httpx.get(f"{server.url}/metrics").text)
+    body = json.dumps({"prompt": "hi", "max_tokens": 480, "ignore_eos": True}).encode()
+    with socket.create_connection((address.hostname, address.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert server.runner.wait_for(lambda s: s.running == 1, timeout=30)
+    # the socket is closed without reading the answer
+    assert server.runner.wait_for(lambda s: s.running == 0 and s.waiting == 0, timeout=30)
+    # The watcher queued the failure before the abort reached the engine, so it is counted by now.
+    after = metric_values(httpx.get(f"{server.url}/metrics").text)
+    key = 'kvserve_request_failures_total{"reason": "client_disconnect"}'
+    assert after.get(key, 0) - before.get(key, 0) == 1
+    finished = sum(after[k] - before.get(k, 0) for k in after if k.startswith("kvserve_requests_total"))
+    assert finished == 0  # aborted, not run to its 480 tokens
