@@ -42,21 +42,27 @@ def build(settings: Settings) -> Server:
     def load() -> Engine:
         from weights.resolve import resolve_model
 
-        path = resolve_model(settings.model)
-        logging.getLogger("kvserve").info("loading %s", path)
-        return Engine.from_pretrained(path, settings.engine_config())
+        try:
+            path = resolve_model(settings.model)
+            logging.getLogger("kvserve").info("loading %s", path)
+            return Engine.from_pretrained(path, settings.engine_config())
+        except Exception:
+            server.should_exit = True  # a server without a model serves nobody: stop, and exit 1
+            raise
 
     runner = EngineRunner(load, max_queue=settings.max_queue)
     app = create_app(runner, settings)  # the model loads in the background: /health answers 503 until ready
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=10)
-    return Server(config, runner)
+    server = Server(config, runner)
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build(settings).run()
-    return 0
+    server = build(settings)
+    server.run()
+    return 1 if server.runner.load_error else 0
 
 
 if __name__ == "__main__":

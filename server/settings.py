@@ -26,8 +26,8 @@ class Settings:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 
@@ -66,4 +66,9 @@ def parse(argv: list[str] | None = None) -> Settings:
         default = kind(raw) if raw not in (None, "") else getattr(defaults, name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=f"{help_text} [env {env}]")
     args = parser.parse_args(argv)
-    return Settings(**vars(args))
+    try:
+        settings = Settings(**vars(args))
+        settings.engine_config()  # checks the engine's part now, before anything starts
+    except ValueError as e:
+        parser.error(str(e))
+    return settings
