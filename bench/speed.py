@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> dict:
         rotary = RotaryTable(config, capacity, cpu, dtype)
         with torch.inference_mode():
             prefill = timed(lambda: model(torch.zeros(1, prefill_tokens, dtype=torch.long), rotary, cache,
-                                          PrefillBatch(0, 0, prefill_tokens, cpu)), max(1, repeats // 2))
+                                          PrefillBatch([0], [0], [prefill_tokens], cpu)), max(1, repeats // 2))
             for context in contexts:
                 for batch in batches:
                     step = DecodeBatch(list(range(batch)), [context] * batch, cpu)

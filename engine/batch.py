@@ -11,36 +11,58 @@ from functools import cached_property
 import torch
 
 
+def cache_rows(slots: list[int], slot_index: torch.Tensor) -> slice | torch.Tensor:
+    """How to read these slots' rows of the cache: a view when they are one range, else a gathered copy."""
+    lo, hi = slots[0], slots[-1] + 1
+    return slice(lo, hi) if slots == list(range(lo, hi)) else slot_index
+
+
 @dataclass
 class PrefillBatch:
-    """A chunk of one sequence's prompt: positions [start, start + length) of cache slot `slot`."""
+    """Prompt chunks of one or more sequences in one forward pass.
 
-    slot: int
-    start: int
-    length: int
+    Row r holds positions [starts[r], starts[r] + lengths[r]) of cache slot slots[r]. Rows are
+    right-padded to the longest chunk; a padded query repeats its row's last real position, so it
+    reads only real keys, and its output is discarded. Padded keys are never written to the cache.
+    """
+
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
     device: torch.device
+    positions: torch.Tensor = field(init=False)
     mask: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        query_pos = torch.arange(self.start, self.end, device=self.device)
-        key_pos = torch.arange(self.end, device=self.device)
-        # Query at absolute position p may read keys 0..p: everything earlier in the slot and itself.
-        self.mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, n, end)
+        offsets = torch.arange(max(self.lengths), device=self.device)
+        starts = torch.tensor(self.starts, device=self.device)[:, None]
+        lengths = torch.tensor(self.lengths, device=self.device)[:, None]
+        self.positions = starts + torch.minimum(offsets[None], lengths - 1)  # (n, width)
+        key_pos = torch.arange(self.kv_len, device=self.device)
+        # Query at absolute position p may read keys 0..p of its own slot: earlier chunks and itself.
+        self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # (n, 1, width, kv_len)
+        real = offsets[None] < lengths  # (n, width): which entries are prompt tokens, not padding
+        self.real_rows, self.real_offsets = real.nonzero(as_tuple=True)
+        self.slot_index = torch.tensor(self.slots, device=self.device)
+        self.real_slots = self.slot_index[self.real_rows]
+        self.real_positions = self.positions[real]
 
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+    @cached_property
+    def kv_len(self) -> int:
+        return max(s + n for s, n in zip(self.starts, self.lengths))
 
-    @property
-    def positions(self) -> torch.Tensor:
-        return torch.arange(self.start, self.end, device=self.device)[None]  # (1, n)
+    def last_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, offset) of each row's last real token: the one whose output predicts the next token."""
+        rows = torch.arange(len(self.slots), device=self.device)
+        return rows, torch.tensor(self.lengths, device=self.device) - 1
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (1, h_kv, n, d) into the slot; return its filled part (1, h_kv, end, d)."""
-        keys[self.slot, :, self.start:self.end] = k[0]
-        values[self.slot, :, self.start:self.end] = v[0]
-        rows = slice(self.slot, self.slot + 1)
-        return keys[rows, :, : self.end], values[rows, :, : self.end]
+        """Write the real entries of k, v (n, h_kv, width, d); return the slots' filled parts (n, h_kv, kv_len, d)."""
+        index = (self.real_rows, self.real_offsets)
+        keys[self.real_slots, :, self.real_positions] = k.transpose(1, 2)[index]  # (real tokens, h_kv, d)
+        values[self.real_slots, :, self.real_positions] = v.transpose(1, 2)[index]
+        rows = cache_rows(self.slots, self.slot_index)
+        return keys[rows, :, : self.kv_len], values[rows, :, : self.kv_len]
 
 
 @dataclass
@@ -70,17 +92,9 @@ class DecodeBatch:
         """Keys read per row: the longest slot's, not the cache's T, so cost follows what is filled."""
         return max(self.lengths) + 1
 
-    @cached_property
-    def contiguous_slots(self) -> slice | None:
-        """The slots as one range when they are one (reads are then views, not gathered copies)."""
-        lo, hi = self.slots[0], self.slots[-1] + 1
-        return slice(lo, hi) if self.slots == list(range(lo, hi)) else None
-
     def store(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (b, h_kv, 1, d) at each slot's position; return (b, h_kv, kv_len, d) to attend over."""
         keys[self.slot_index, :, self.positions[:, 0]] = k[:, :, 0]
         values[self.slot_index, :, self.positions[:, 0]] = v[:, :, 0]
-        rows = self.contiguous_slots
-        if rows is None:  # gathers a copy of only the filled prefix of these slots
-            rows = self.slot_index
+        rows = cache_rows(self.slots, self.slot_index)
         return keys[rows, :, : self.kv_len], values[rows, :, : self.kv_len]

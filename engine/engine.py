@@ -149,7 +149,7 @@ class Engine:
         Every running request gets exactly one new token per step.
         """
         decoding = self.scheduler.decoding()
-        events = [self._prefill(request) for request in self.scheduler.admit()]
+        events = self._prefill(self.scheduler.admit())
         if decoding:
             events += self._decode(decoding)
         return events
@@ -215,17 +215,46 @@ class Engine:
 
     def _forward_chunk(self, tokens: torch.Tensor, slot: int, start: int) -> torch.Tensor:
         length = min(self.config.prefill_chunk_size, len(tokens) - start)
-        batch = PrefillBatch(slot, start, length, self.device)
+        batch = PrefillBatch([slot], [start], [length], self.device)
         return self.model(tokens[None, start:start + length], self.rotary, self.cache, batch)  # (1, n, hidden)
 
-    def _prefill(self, request: Request) -> TokenEvent:
+    def _prefill(self, requests: list[Request]) -> list[TokenEvent]:
+        """Write newly admitted prompts into their slots and sample each one's first token.
+
+        Prompts that fit in one chunk share forward passes, right-padded, up to `prefill_chunk_size`
+        padded tokens per pass; longer prompts go alone, chunk by chunk.
+        """
+        chunk = self.config.prefill_chunk_size
+        events: list[TokenEvent] = []
+        group: list[Request] = []
+        for request in sorted((r for r in requests if len(r.prompt_ids) <= chunk), key=lambda r: len(r.prompt_ids)):
+            if group and (len(group) + 1) * len(request.prompt_ids) > chunk:
+                events += self._prefill_group(group)
+                group = []
+            group.append(request)
+        if group:
+            events += self._prefill_group(group)
+        for request in (r for r in requests if len(r.prompt_ids) > chunk):
+            events += self._prefill_long(request)
+        return events
+
+    def _prefill_group(self, requests: list[Request]) -> list[TokenEvent]:
+        lengths = [len(r.prompt_ids) for r in requests]
+        batch = PrefillBatch([r.slot for r in requests], [0] * len(requests), lengths, self.device)
+        tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long, device=self.device)  # right-padded
+        for row, request in enumerate(requests):
+            tokens[row, : lengths[row]] = torch.tensor(request.prompt_ids, device=self.device)
+        hidden = self.model(tokens, self.rotary, self.cache, batch)  # (n, width, hidden)
+        logits = self.model.logits(hidden[batch.last_index()])  # (n, V): each row's last real position
+        chosen, logprobs = select_tokens(logits, requests)
+        return [self._append(r, t, lp) for r, t, lp in zip(requests, chosen, logprobs)]
+
+    def _prefill_long(self, request: Request) -> list[TokenEvent]:
         tokens = torch.tensor(request.prompt_ids, device=self.device)
-        hidden = None
         for start in range(0, len(tokens), self.config.prefill_chunk_size):
             hidden = self._forward_chunk(tokens, request.slot, start)
-        logits = self.model.logits(hidden[:, -1])  # (1, V): only the last position predicts
-        (token,), (logprob,) = select_tokens(logits, [request])
-        return self._append(request, token, logprob)
+        (token,), (logprob,) = select_tokens(self.model.logits(hidden[:, -1]), [request])
+        return [self._append(request, token, logprob)]
 
     def _decode(self, requests: list[Request]) -> list[TokenEvent]:
         batch = DecodeBatch([r.slot for r in requests], [r.cached_tokens for r in requests], self.device)

@@ -44,6 +44,7 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**(settings | overrides))
 
 
+@torch.inference_mode()
 def test_block_with_zeroed_branches_returns_its_input():
     config = tiny_config()
     torch.manual_seed(0)
@@ -52,7 +53,7 @@ def test_block_with_zeroed_branches_returns_its_input():
         block.get_parameter(name).data.zero_()
     cache = KVCache(config, slots=1, max_seq_len=16, device=torch.device("cpu"), dtype=torch.float32)
     rotary = RotaryTable(config, 16, torch.device("cpu"), torch.float32)
-    batch = PrefillBatch(slot=0, start=0, length=5, device=torch.device("cpu"))
+    batch = PrefillBatch(slots=[0], starts=[0], lengths=[5], device=torch.device("cpu"))
     x = torch.randn(1, 5, config.hidden_size) * 3
     out = block(x, rotary.lookup(batch.positions), cache.layer(0), batch)
     assert torch.equal(out, x)
@@ -75,6 +76,7 @@ def test_rope_scores_depend_only_on_offset():
     assert abs(score(3, 10) - score(10, 3)) > 1e-6  # the sign of the offset matters
 
 
+@torch.inference_mode()
 def test_decode_writes_the_same_keys_as_prefill():
     """A token decoded at position p leaves the cache exactly as prefilling it at p would."""
     config = tiny_config()
@@ -84,10 +86,10 @@ def test_decode_writes_the_same_keys_as_prefill():
     rotary = RotaryTable(config, 16, cpu, torch.float32)
     x = torch.randn(1, 6, config.hidden_size)
     whole = KVCache(config, 1, 16, cpu, torch.float32)
-    batch = PrefillBatch(0, 0, 6, cpu)
+    batch = PrefillBatch([0], [0], [6], cpu)
     expected = block(x, rotary.lookup(batch.positions), whole.layer(0), batch)
     stepped = KVCache(config, 2, 16, cpu, torch.float32)  # slot 1 this time, to exercise the slot index
-    batch = PrefillBatch(1, 0, 5, cpu)
+    batch = PrefillBatch([1], [0], [5], cpu)
     block(x[:, :5], rotary.lookup(batch.positions), stepped.layer(0), batch)
     step = DecodeBatch([1], [5], cpu)
     last = block(x[:, 5:], rotary.lookup(step.positions), stepped.layer(0), step)

@@ -101,3 +101,15 @@ def test_stop_string_spanning_tokens_ends_the_request_where_it_first_appears(mak
     # It stopped at the first token that completed the stop string, not before and not after.
     assert stop in engine.tokenizer.decode(stopped.output_ids)
     assert stop not in engine.tokenizer.decode(stopped.output_ids[:-1])
+
+
+def test_batched_prefill_into_reused_slots_ignores_what_they_held(make_engine):
+    engine = make_engine(max_batch_size=2)
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)
+    engine.generate([long_prompt, long_prompt], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    # Both slots now hold stale keys far past the short prompts' lengths.
+    reused = engine.generate(PROMPTS[:2], GREEDY)
+    fresh = [make_engine(max_batch_size=1).generate([p], GREEDY)[0] for p in PROMPTS[:2]]
+    assert [c.output_ids for c in reused] == [c.output_ids for c in fresh]
+    for got, expected in zip(reused, fresh):
+        assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
