@@ -27,7 +27,7 @@ log = logging.getLogger("kvserve.engine")
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch_size: int = 8  # KV-cache slots: sequences decoded together
-    max_seq_len: int | None = None  # positions per slot; None = min(model's context, 4096)
+    max_seq_len: int | None = None  # positions per slot; None = min(model's context, 2048)
     kv_cache_memory: str | int | None = None  # size the slots from a budget instead ("1GiB")
     device: str = "auto"
     dtype: str = "auto"
@@ -64,7 +64,7 @@ class Engine:
         model_config = model.config
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        max_seq_len = config.max_seq_len or min(model_config.max_position_embeddings, 4096)
+        max_seq_len = config.max_seq_len or min(model_config.max_position_embeddings, 2048)
         if max_seq_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
@@ -112,11 +112,7 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> Request:
         prompt_ids = self._prompt_ids(prompt)
-        if len(prompt_ids) + params.max_new_tokens > self.max_seq_len:
-            raise InvalidParameter(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{len(prompt_ids) + params.max_new_tokens} exceeds the context length max_seq_len = {self.max_seq_len}"
-            )
+        self.check_fits(len(prompt_ids), params.max_new_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidParameter(f"request id {request_id!r} is already in use")
@@ -132,6 +128,14 @@ class Engine:
         self.requests[request_id] = request
         self.scheduler.enqueue(request)
         return request
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A request must fit in one slot: prompt + generated tokens <= max_seq_len."""
+        if prompt_tokens + max_new_tokens > self.max_seq_len:
+            raise InvalidParameter(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
+                f"{prompt_tokens + max_new_tokens} exceeds the context length max_seq_len = {self.max_seq_len}"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its slot is free for the next step. False if it had already finished."""

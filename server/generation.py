@@ -98,14 +98,7 @@ def room(runner: EngineRunner, prompt_ids: list[int]) -> int:
 
 def start(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params: SamplingParams) -> Generation:
     """Admit a request or refuse it with the status a client should see."""
-    limit = runner.engine.max_seq_len
-    if len(prompt_ids) + params.max_new_tokens > limit:
-        raise APIError(
-            422,
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-            f"{len(prompt_ids) + params.max_new_tokens} exceeds the context length max_seq_len = {limit}",
-            "validation",
-        )
+    validated(lambda: runner.engine.check_fits(len(prompt_ids), params.max_new_tokens))
     try:
         stream = runner.submit(prompt_ids, params)
     except Overloaded as e:
@@ -116,7 +109,8 @@ def start(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params:
     return Generation(runner, metrics, stream)
 
 
-def sampling_or_422(build) -> SamplingParams:
+def validated(build):
+    """Run a check or constructor of the engine's; its InvalidParameter becomes a 422."""
     try:
         return build()
     except InvalidParameter as e:

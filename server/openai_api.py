@@ -50,7 +50,7 @@ def model_name(request: Request) -> str:
 
 def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None, default: int):
     runner, metrics = request.app.state.runner, request.app.state.metrics
-    params = generation.sampling_or_422(lambda: body.sampling(max_tokens, default))
+    params = generation.validated(lambda: body.sampling(max_tokens, default))
     return generation.start(runner, metrics, prompt_ids, params)
 
 

@@ -17,7 +17,7 @@ class Settings:
     device: str = "auto"
     dtype: str = "auto"
     max_batch_size: int = 8
-    max_seq_len: int | None = 2048
+    max_seq_len: int | None = None  # None: min(the model's context, 2048)
     kv_cache_memory: str | None = None
     max_queue: int = 64
     api_key: str | None = None
@@ -44,7 +44,8 @@ FLAGS = [
     ("device", str, "cpu, cuda, cuda:N or auto (CUDA when available)"),
     ("dtype", str, "float32, bfloat16, float16 or auto (bfloat16 on CUDA and on CPUs with native bf16)"),
     ("max_batch_size", int, "KV-cache slots: sequences decoded together; more requests wait in a FIFO queue"),
-    ("max_seq_len", int, "context length per slot (prompt + generated tokens); at most the model's"),
+    ("max_seq_len", int, "context length per slot (prompt + generated tokens), at most the model's; "
+                         "default: min(the model's context, 2048)"),
     ("kv_cache_memory", str, "size the KV cache from a memory budget instead, e.g. 1GiB (sets the slots)"),
     ("max_queue", int, "requests that may wait for a slot; beyond that the server answers 429"),
     ("api_key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),

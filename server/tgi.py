@@ -34,7 +34,7 @@ def admit(body: GenerateRequest, request: Request) -> tuple[generation.Generatio
     if body.parameters.truncate:
         prompt_ids = prompt_ids[-body.parameters.truncate:]
     default = max(1, min(DEFAULT_MAX_NEW_TOKENS, generation.room(runner, prompt_ids)))
-    params = generation.sampling_or_422(lambda: body.parameters.sampling(default))
+    params = generation.validated(lambda: body.parameters.sampling(default))
     prefix = body.inputs if body.parameters.return_full_text else ""
     return generation.start(runner, metrics, prompt_ids, params), prefix
 
