@@ -300,4 +300,4 @@ class Engine:
                           request.finish_reason, request.seed)
 
 
-__all__ = ["Completion", "Engine", "EngineConfig", "Status"]
+__all__ = ["Completion", "Engine", "EngineConfig"]

@@ -51,19 +51,24 @@ def _penalize(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tens
             out = torch.tensor(r.output_ids, device=device)
             counts[i].scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
         seen[i, torch.tensor(r.prompt_ids + r.output_ids, device=device)] = True
-    param = lambda name: torch.tensor([getattr(r.params, name) for r in rows], device=device)  # noqa: E731
-    logits = apply_repetition_penalty(logits, seen, param("repetition_penalty"))
-    return apply_additive_penalties(logits, counts, param("presence_penalty"), param("frequency_penalty"))
+    logits = apply_repetition_penalty(logits, seen, column(rows, "repetition_penalty", device))
+    return apply_additive_penalties(logits, counts, column(rows, "presence_penalty", device),
+                                    column(rows, "frequency_penalty", device))
+
+
+def column(rows: Sequence[SamplingState], name: str, device: torch.device) -> torch.Tensor:
+    """One sampling parameter of every row, as a (b,) tensor."""
+    return torch.tensor([getattr(r.params, name) for r in rows], device=device)
 
 
 def _sample(scores: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
     device = scores.device
     params = [r.params for r in rows]
-    scores = scores / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    scores = scores / column(rows, "temperature", device)[:, None]
     if any(p.top_k > 0 for p in params):
-        scores = top_k_filter(scores, torch.tensor([p.top_k for p in params], device=device))
+        scores = top_k_filter(scores, column(rows, "top_k", device))
     if any(p.top_p < 1 for p in params):
-        scores = top_p_filter(scores, torch.tensor([p.top_p for p in params], device=device))
+        scores = top_p_filter(scores, column(rows, "top_p", device))
     if any(p.min_p > 0 for p in params):
-        scores = min_p_filter(scores, torch.tensor([p.min_p for p in params], device=device))
+        scores = min_p_filter(scores, column(rows, "min_p", device))
     return draw(scores.softmax(dim=-1), [r.generator for r in rows])

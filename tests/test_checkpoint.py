@@ -71,29 +71,29 @@ def test_sharded_checkpoint_loads(tiny_dir, tmp_path, make_engine):
     torch.testing.assert_close(make_engine(sharded).prompt_logits([5, 6, 7]), make_engine().prompt_logits([5, 6, 7]))
 
 
-def test_missing_tensor_is_named(tiny_dir, tmp_path):
+def with_tensors(tiny_dir, tmp_path, edit):
+    """A copy of the tiny checkpoint whose tensors `edit` changed in place."""
     broken = copy_of(tiny_dir, tmp_path)
     tensors = load_file(broken / "model.safetensors")
-    del tensors["model.layers.1.mlp.up_proj.weight"]
+    edit(tensors)
     save_file(tensors, broken / "model.safetensors")
+    return broken
+
+
+def test_missing_tensor_is_named(tiny_dir, tmp_path):
+    broken = with_tensors(tiny_dir, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
         load_checkpoint(broken)
 
 
 def test_wrong_shape_is_named(tiny_dir, tmp_path):
-    broken = copy_of(tiny_dir, tmp_path)
-    tensors = load_file(broken / "model.safetensors")
-    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
-    save_file(tensors, broken / "model.safetensors")
+    broken = with_tensors(tiny_dir, tmp_path, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(3, 64)}))
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight has shape \(3, 64\), config needs \(16, 64\)"):
         load_checkpoint(broken)
 
 
 def test_unexpected_tensor_is_named(tiny_dir, tmp_path):
-    broken = copy_of(tiny_dir, tmp_path)
-    tensors = load_file(broken / "model.safetensors")
-    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.zeros(8)
-    save_file(tensors, broken / "model.safetensors")
+    broken = with_tensors(tiny_dir, tmp_path, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.zeros(8)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.0\.self_attn\.q_norm\.weight"):
         load_checkpoint(broken)
 
