@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 
 from bench.common import machine, machine_line, markdown_table, plot, timed, write_results
 from bench.synthetic import default_shape, random_engine

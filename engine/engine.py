@@ -14,7 +14,7 @@ from engine.batch import DecodeBatch, PrefillBatch
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
-from engine.request import FinishReason, Request, Status, TokenEvent
+from engine.request import FinishReason, Request, TokenEvent
 from engine.rope import RotaryTable
 from engine.sampler import select_tokens
 from engine.sampling import InvalidParameter, SamplingParams

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
+from engine import SamplingParams
 from engine.kv_cache import KVCache, parse_bytes
 from tests.test_attention import tiny_config
 

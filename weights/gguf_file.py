@@ -108,7 +108,7 @@ class GGUFFile:
         config["rope_parameters"] = rope
         config["rope_theta"] = theta  # transformers 4.x reads this one
         if model_type == "llama":
-            config["attention_bias"] = f"blk.0.attn_q.bias" in tensor_names
+            config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
             if self.value(f"tokenizer.ggml.{key}") is not None:
                 config[name] = int(self.value(f"tokenizer.ggml.{key}"))
