@@ -171,8 +171,11 @@ def run(args: argparse.Namespace) -> dict:
     payload = {"machine": info, "new_tokens": new_tokens, "levels": records, "server_view": server_view,
                "client_tokens": client_tokens, "client_requests": client_requests, "offline_tokens_per_s": offline}
     write_results(args.out, "serve", payload, table)
-    plot(args.out, "serve", "HTTP streaming throughput and latency", "concurrent streams", "output tokens/s",
+    plot(args.out, "serve", "HTTP streaming throughput", "concurrent streams", "output tokens/s (all streams)",
          {"output tokens/s": (levels, [r["output_tokens_per_s"] for r in records])}, logx=True)
+    plot(args.out, "serve_latency", "HTTP streaming latency (medians)", "concurrent streams", "ms",
+         {"time to first token": (levels, [r["ttft_p50_s"] * 1e3 for r in records]),
+          "inter-token latency": (levels, [r["itl_p50_s"] * 1e3 for r in records])}, logx=True, logy=True)
     print(table)
     return payload
 
