@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     decode.add_argument("--prompt-tokens", type=int, default=32)
     decode.add_argument("--new-tokens", type=int, default=128)
     decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--quantize", default=None, choices=["int4"],
+                        help="kvserve with int4 block weights (transformers stays dense, in --dtype)")
 
     serve = commands.add_parser("serve", help="load on the HTTP server: TTFT, inter-token latency, throughput")
     serve.add_argument("--url", default=None, help="a running server (default: start one on a free port)")

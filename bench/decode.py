@@ -20,7 +20,8 @@ def run(args: argparse.Namespace) -> dict:
     repeats = 1 if args.quick else args.repeats
     path = resolve_model(args.model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    ours = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=8, max_seq_len=1024))
+    ours = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=8, max_seq_len=1024,
+                                                     quantize=args.quantize))
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     generator = torch.Generator().manual_seed(0)
     vocab = ours.model.config.vocab_size
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> dict:
                                pad_token_id=0)
 
     results: dict[str, dict[str, Timing]] = {}
-    for name, gen in (("kvserve", ours_generate), ("transformers", theirs_generate)):
+    ours_name = f"kvserve ({args.quantize} weights)" if args.quantize else "kvserve"
+    for name, gen in ((ours_name, ours_generate), ("transformers", theirs_generate)):
         one = timed(lambda: gen(prompts[:1], 1), repeats)
         full = timed(lambda: gen(prompts[:1], new_tokens), repeats)
         batch = timed(lambda: gen(prompts, new_tokens), repeats)
@@ -47,14 +49,14 @@ def run(args: argparse.Namespace) -> dict:
         results[name] = {"decode_per_token": decode, "batch8": batch, "prefill": prefill}
 
     capacity = context_independence(ours.model, repeats)
-    rows, payload = [], {"machine": machine(), "model": str(path), "dtype": args.dtype,
+    rows, payload = [], {"machine": machine(), "model": str(path), "dtype": args.dtype, "quantize": args.quantize,
                          "prompt_tokens": args.prompt_tokens, "new_tokens": new_tokens, "prefill_tokens": prefill_tokens,
                          "results": {}, "capacity": capacity}
     for name, r in results.items():
         tps = 8 * new_tokens / r["batch8"].median
         rows.append([name, r["decode_per_token"].ms(), f"{tps:.1f}", r["prefill"].ms()])
         payload["results"][name] = {k: v.as_dict() for k, v in r.items()} | {"batch8_tokens_per_s": tps}
-    k, t = results["kvserve"], results["transformers"]
+    k, t = results[ours_name], results["transformers"]
     ratios = {
         "decode_speedup": t["decode_per_token"].median / k["decode_per_token"].median,
         "batch8_speedup": t["batch8"].median / k["batch8"].median,
@@ -64,14 +66,16 @@ def run(args: argparse.Namespace) -> dict:
     rows.append(["transformers / kvserve", f"{ratios['decode_speedup']:.2f}x faster",
                  f"{ratios['batch8_speedup']:.2f}x", f"{ratios['prefill_speedup']:.2f}x faster"])
     table = "\n".join([
-        f"# kvserve vs transformers ({args.dtype}, {Path(path).name})", "", machine_line(payload["machine"]), "",
+        f"# kvserve vs transformers ({args.dtype}{', kvserve with ' + args.quantize + ' weights' if args.quantize else ''}, "
+        f"{Path(path).name})", "", machine_line(payload["machine"]), "",
         f"Prompt {args.prompt_tokens} tokens, {new_tokens} new tokens, greedy; median (min-max) of {repeats} runs.", "",
         markdown_table(["", "batch-1 decode ms/token", "batch-8 total tokens/s", f"prefill {prefill_tokens} tokens ms"], rows), "",
         f"Decode step at context 128: {capacity['ms_512']:.1f} ms with max_seq_len 512, {capacity['ms_8192']:.1f} ms "
         f"with max_seq_len 8192 (ratio {capacity['ratio']:.2f}; attention reads only the filled positions).",
     ])
-    write_results(args.out, f"decode_{args.dtype}", payload, table)
-    plot(args.out, f"decode_{args.dtype}", f"Decode: kvserve vs transformers ({args.dtype})", "batch size",
+    stem = f"decode_{args.dtype}" + (f"_{args.quantize}" if args.quantize else "")
+    write_results(args.out, stem, payload, table)
+    plot(args.out, stem, f"Decode: kvserve vs transformers ({args.dtype})", "batch size",
          "output tokens/s", {name: ([1, 8], [1 / r["decode_per_token"].median, 8 * new_tokens / r["batch8"].median])
                              for name, r in results.items()})
     print(table)

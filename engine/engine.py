@@ -14,6 +14,7 @@ from engine.batch import DecodeBatch, PrefillBatch
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
+from engine.quantization import quantize_int4
 from engine.request import FinishReason, Request, TokenEvent
 from engine.rope import RotaryTable
 from engine.sampler import select_tokens
@@ -33,6 +34,7 @@ class EngineConfig:
     dtype: str = "auto"
     prefill_chunk_size: int = 512  # prompt tokens per forward pass; bounds prefill memory
     seed: int | None = None  # seeds the seeds of requests that bring none
+    quantize: str | None = None  # "int4": weight-only 4-bit block projections (CPU, bfloat16 activations)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -43,6 +45,11 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
         if isinstance(self.kv_cache_memory, str):
             parse_bytes(self.kv_cache_memory)  # fails now, with the text, rather than at start
+        if self.quantize not in (None, "int4"):
+            raise ValueError(f"quantize must be None or 'int4', got {self.quantize!r}")
+        if self.quantize == "int4" and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError("quantize='int4' computes in bfloat16 (torch's float32 int4 kernel is slower than "
+                             f"dense float32); use dtype 'bfloat16' or 'auto', not {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -97,9 +104,13 @@ class Engine:
         from weights.checkpoint import load_checkpoint
 
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
+        dtype = torch.bfloat16 if config.quantize else resolve_dtype(config.dtype, device)
+        if config.quantize and device.type != "cpu":
+            raise ValueError(f"quantize={config.quantize!r} uses torch's CPU int4 kernel; on {device} serve dense weights")
         model_config, state = load_checkpoint(path, dtype)
         model = build_model(model_config, state, device)
+        if config.quantize == "int4":
+            quantize_int4(model)
         return cls(model, Tokenizer.from_dir(path), config)
 
     # ---- the public API --------------------------------------------------------------------

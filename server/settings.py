@@ -24,6 +24,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     model_name: str = "kvserve"
     seed: int | None = None
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -33,7 +34,8 @@ class Settings:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
-                            kv_cache_memory=self.kv_cache_memory, device=self.device, dtype=self.dtype, seed=self.seed)
+                            kv_cache_memory=self.kv_cache_memory, device=self.device, dtype=self.dtype, seed=self.seed,
+                            quantize=self.quantize)
 
 
 FLAGS = [
@@ -52,6 +54,8 @@ FLAGS = [
     ("max_body_bytes", int, "largest request body accepted; larger ones get 413"),
     ("model_name", str, "the model id reported by /v1/models and in OpenAI responses"),
     ("seed", int, "seed for the seeds of requests that bring none (reproducible runs)"),
+    ("quantize", str, "'int4': 4-bit weights in the blocks, bfloat16 activations (CPU only; faster decode, "
+                      "slightly different outputs)"),
 ]
 
 
