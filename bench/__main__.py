@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--requests", type=int, default=None, help="requests per level (default: 2x concurrency)")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=16)
+    serve.add_argument("--quantize", default=None, choices=["int4"], help="serve with int4 block weights")
 
     args = parser.parse_args(argv)
     if args.threads:

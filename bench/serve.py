@@ -47,6 +47,8 @@ def local_server(args: argparse.Namespace):
                "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024", "--max-seq-len", "1024"]
     if args.model:
         command += ["--model", args.model]
+    if args.quantize:
+        command += ["--quantize", args.quantize]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
         for line in process.stdout:  # the log line that says the model is loaded
@@ -107,7 +109,7 @@ def offline_tokens_per_s(args: argparse.Namespace, prompt: str, new_tokens: int)
     from weights.resolve import resolve_model
 
     engine = Engine.from_pretrained(resolve_model(args.model), EngineConfig(dtype=args.dtype, max_batch_size=1,
-                                                                            max_seq_len=1024))
+                                                                            max_seq_len=1024, quantize=args.quantize))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompt], params)  # warm-up
     started = time.perf_counter()
@@ -153,7 +155,8 @@ def run(args: argparse.Namespace) -> dict:
     single = records[0]["output_tokens_per_s"] if levels[0] == 1 else None
     info = machine()
     lines = [
-        f"# Load on the HTTP server ({prompt.count('hello')}-word prompt, {new_tokens} new tokens per request, streaming)",
+        f"# Load on the HTTP server ({prompt.count('hello')}-word prompt, {new_tokens} new tokens per request, streaming"
+        f"{', int4 weights' if args.quantize else ''})",
         "", machine_line(info), "",
         markdown_table(["concurrency", "requests", "errors", "output tokens/s", "requests/s", "TTFT ms p50/p90/p99",
                         "inter-token ms p50/p90/p99", "end-to-end s p50/p90/p99"], rows), "",
