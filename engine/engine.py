@@ -6,7 +6,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -188,9 +188,7 @@ class Engine:
             raise InvalidParameter(f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len {self.max_seq_len}")
         if not self.scheduler.free_slots:
             raise RuntimeError("prompt_logits needs a free cache slot")
-        slot = self.scheduler.free_slots[0]
-        tokens = torch.tensor(prompt_ids, device=self.device)
-        chunks = [self._forward_chunk(tokens, slot, start) for start in range(0, len(prompt_ids), self.config.prefill_chunk_size)]
+        chunks = list(self._forward_prompt(prompt_ids, self.scheduler.free_slots[0]))
         hidden = chunks[-1][:, -1:] if last_only else torch.cat(chunks, dim=1)
         return self.model.logits(hidden)[0]
 
@@ -228,10 +226,13 @@ class Engine:
             raise InvalidParameter(f"prompt token ids must be in [0, {vocab})")
         return prompt_ids
 
-    def _forward_chunk(self, tokens: torch.Tensor, slot: int, start: int) -> torch.Tensor:
-        length = min(self.config.prefill_chunk_size, len(tokens) - start)
-        batch = PrefillBatch([slot], [start], [length], self.device)
-        return self.model(tokens[None, start:start + length], self.rotary, self.cache, batch)  # (1, n, hidden)
+    def _forward_prompt(self, prompt_ids: list[int], slot: int) -> Iterator[torch.Tensor]:
+        """One sequence's prompt into `slot`, chunk by chunk; yields each chunk's hidden states (1, n, hidden)."""
+        tokens = torch.tensor(prompt_ids, device=self.device)
+        for start in range(0, len(tokens), self.config.prefill_chunk_size):
+            length = min(self.config.prefill_chunk_size, len(tokens) - start)
+            batch = PrefillBatch([slot], [start], [length], self.device)
+            yield self.model(tokens[None, start:start + length], self.rotary, self.cache, batch)
 
     def _prefill(self, requests: list[Request]) -> list[TokenEvent]:
         """Write newly admitted prompts into their slots and sample each one's first token.
@@ -265,9 +266,7 @@ class Engine:
         return [self._append(r, t, lp) for r, t, lp in zip(requests, chosen, logprobs)]
 
     def _prefill_long(self, request: Request) -> list[TokenEvent]:
-        tokens = torch.tensor(request.prompt_ids, device=self.device)
-        for start in range(0, len(tokens), self.config.prefill_chunk_size):
-            hidden = self._forward_chunk(tokens, request.slot, start)
+        *_, hidden = self._forward_prompt(request.prompt_ids, request.slot)  # every chunk runs; the last predicts
         (token,), (logprob,) = select_tokens(self.model.logits(hidden[:, -1]), [request])
         return [self._append(request, token, logprob)]
 

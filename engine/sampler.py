@@ -30,14 +30,14 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState]) -> tuple[
     The log-probability is the model's own (before penalties, temperature and filters), as
     OpenAI and TGI report it.
     """
-    logprobs = logits.log_softmax(dim=-1)
     scores = _penalize(logits, rows) if any(r.params.has_penalties for r in rows) else logits
     tokens = scores.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         picked = _sample(scores[sampled], [rows[i] for i in sampled])
         tokens[sampled] = picked
-    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    # log softmax at the chosen token only: its logit minus the row's log-sum-exp.
+    chosen = logits.gather(-1, tokens[:, None])[:, 0] - logits.logsumexp(dim=-1)
     return tokens.tolist(), chosen.tolist()
 
 

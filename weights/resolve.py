@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import tempfile
 from pathlib import Path
 
-from weights.default_model import DEFAULT_MODEL, PACKAGED_MODELS, ModelUnavailable, models_dir, publish, pull
+from weights.default_model import DEFAULT_MODEL, PACKAGED_MODELS, ModelUnavailable, models_dir, pull, staging
 from weights.gguf_file import import_gguf
 
 
@@ -38,9 +37,8 @@ def import_gguf_cached(path: Path, progress: bool) -> Path:
     target = models_dir() / f"{path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
-    models_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{path.stem}-partial-") as scratch:
-        publish(import_gguf(path, Path(scratch) / "model", progress=progress), target)
+    with staging(target) as scratch:
+        import_gguf(path, scratch / "model", progress=progress)
     return target
 
 
