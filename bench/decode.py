@@ -9,6 +9,7 @@ import torch
 
 from bench.common import Timing, machine, machine_line, markdown_table, plot, timed, write_results
 from engine import Engine, EngineConfig, SamplingParams
+from engine.quantization import Int4Linear
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -49,9 +50,10 @@ def run(args: argparse.Namespace) -> dict:
         results[name] = {"decode_per_token": decode, "batch8": batch, "prefill": prefill}
 
     capacity = context_independence(ours.model, repeats)
+    floor = matmul_floor(ours.model, repeats)
     rows, payload = [], {"machine": machine(), "model": str(path), "dtype": args.dtype, "quantize": args.quantize,
                          "prompt_tokens": args.prompt_tokens, "new_tokens": new_tokens, "prefill_tokens": prefill_tokens,
-                         "results": {}, "capacity": capacity}
+                         "results": {}, "capacity": capacity, "matmul_floor": floor.as_dict()}
     for name, r in results.items():
         tps = 8 * new_tokens / r["batch8"].median
         rows.append([name, r["decode_per_token"].ms(), f"{tps:.1f}", r["prefill"].ms()])
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch8_speedup": t["batch8"].median / k["batch8"].median,
         "prefill_speedup": t["prefill"].median / k["prefill"].median,
     }
+    ratios["ceiling_vs_transformers"] = t["decode_per_token"].median / floor.median
     payload["ratios"] = ratios
     rows.append(["transformers / kvserve", f"{ratios['decode_speedup']:.2f}x faster",
                  f"{ratios['batch8_speedup']:.2f}x", f"{ratios['prefill_speedup']:.2f}x faster"])
@@ -71,7 +74,11 @@ def run(args: argparse.Namespace) -> dict:
         f"Prompt {args.prompt_tokens} tokens, {new_tokens} new tokens, greedy; median (min-max) of {repeats} runs.", "",
         markdown_table(["", "batch-1 decode ms/token", "batch-8 total tokens/s", f"prefill {prefill_tokens} tokens ms"], rows), "",
         f"Decode step at context 128: {capacity['ms_512']:.1f} ms with max_seq_len 512, {capacity['ms_8192']:.1f} ms "
-        f"with max_seq_len 8192 (ratio {capacity['ratio']:.2f}; attention reads only the filled positions).",
+        f"with max_seq_len 8192 (ratio {capacity['ratio']:.2f}; attention reads only the filled positions).", "",
+        f"The step's matrix products alone (every linear layer once at batch 1, kvserve's weights and torch's "
+        f"kernels, nothing else): {floor.ms()} ms, {weight_bytes(ours.model) / floor.median / 1e9:.1f} GB/s of "
+        f"weights. No implementation calling these kernels decodes faster, so at most "
+        f"{ratios['ceiling_vs_transformers']:.2f}x transformers' batch-1 decode here.",
     ])
     stem = f"decode_{args.dtype}" + (f"_{args.quantize}" if args.quantize else "")
     write_results(args.out, stem, payload, table)
@@ -80,6 +87,30 @@ def run(args: argparse.Namespace) -> dict:
                              for name, r in results.items()})
     print(table)
     return payload
+
+
+def projections(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every matrix product of a decode step: the blocks' projections and the LM head (dense or int4)."""
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one batch-1 decode step reads through its matrix products."""
+    return sum(t.numel() * t.element_size() for m in projections(model) for t in [*m.parameters(), *m.buffers()])
+
+
+def matmul_floor(model: torch.nn.Module, repeats: int) -> Timing:
+    """One batch-1 decode step's matrix products alone, back to back: the lower bound of a step with these kernels."""
+    dtype = model.embed_tokens.weight.dtype
+    layers = projections(model)
+    inputs = {m.in_features: torch.randn(1, m.in_features, dtype=dtype) for m in layers}
+
+    @torch.inference_mode()
+    def products():
+        for m in layers:
+            m(inputs[m.in_features])
+
+    return timed(products, 5 if repeats == 1 else repeats * 5, warmup=2)
 
 
 def context_independence(model, repeats: int) -> dict:

@@ -32,7 +32,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(linear.weight.dtype))
         self.bias = linear.bias
         self.group_size = group_size
-        self.out_features = out_features
+        self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # (tokens, in): the kernel takes a matrix
