@@ -45,7 +45,7 @@ def usage(gen: generation.Generation) -> dict:
 
 
 def model_name(request: Request) -> str:
-    return request.app.state.settings.model_name
+    return request.app.state.settings.served_model_name
 
 
 def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None, default: int):

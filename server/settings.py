@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from engine import EngineConfig
+from weights.default_model import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Settings:
     max_queue: int = 64
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
-    model_name: str = "kvserve"
+    model_name: str | None = None  # None: see served_model_name
     seed: int | None = None
     quantize: str | None = None
 
@@ -31,6 +32,11 @@ class Settings:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+    @property
+    def served_model_name(self) -> str:
+        """The id in /v1/models, OpenAI responses and /info: --model-name, else --model as given (vLLM's rule)."""
+        return self.model_name or self.model or DEFAULT_MODEL.name
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
@@ -52,7 +58,7 @@ FLAGS = [
     ("max_queue", int, "requests that may wait for a slot; beyond that the server answers 429"),
     ("api_key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
     ("max_body_bytes", int, "largest request body accepted; larger ones get 413"),
-    ("model_name", str, "the model id reported by /v1/models and in OpenAI responses"),
+    ("model_name", str, "the model id reported by /v1/models and in OpenAI responses; default: --model as given"),
     ("seed", int, "seed for the seeds of requests that bring none (reproducible runs)"),
     ("quantize", str, "'int4': 4-bit weights in the blocks, bfloat16 activations (CPU only; faster decode, "
                       "slightly different outputs)"),

@@ -19,9 +19,10 @@ from server.settings import Settings
 
 
 class RunningServer:
-    def __init__(self, runner: EngineRunner, url: str):
+    def __init__(self, runner: EngineRunner, url: str, settings: Settings):
         self.runner = runner
         self.url = url
+        self.settings = settings
 
 
 @contextlib.contextmanager
@@ -42,7 +43,7 @@ def serve(model: Path, load=None, wait: bool = True, **settings):
     try:
         if wait:
             assert runner.wait_ready(120) and runner.ready, runner.load_error
-        yield RunningServer(runner, f"http://127.0.0.1:{port}")
+        yield RunningServer(runner, f"http://127.0.0.1:{port}", config)
     finally:
         server.should_exit = True
         thread.join(60)

@@ -11,6 +11,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from engine import Engine, EngineConfig, SamplingParams
+from server.settings import Settings
 from tests.server_harness import serve
 
 PROMPTS = [f"{w} number {i}" for i, w in enumerate(
@@ -106,7 +107,9 @@ def test_openai_client_completions_and_chat(server, offline):
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat_expected.text
     assert stream[-1].choices[0].finish_reason in ("stop", "length")
-    assert [m.id for m in client.models.list()] == ["kvserve"]
+    # Without --model-name the served id is --model as given, as vLLM does.
+    assert [m.id for m in client.models.list()] == [server.settings.model]
+    assert completion.model == chat.model == server.settings.model
 
 
 def test_openai_stop_string_is_excluded(server, offline):
@@ -296,10 +299,17 @@ def test_health_is_503_while_loading(model_dir):
 def test_info_tokenize_and_models(server, offline):
     with httpx.Client(base_url=server.url, timeout=60) as client:
         info = client.get("/info").json()
+        assert info["model_id"] == server.settings.model
         assert (info["max_batch_size"], info["max_seq_len"], info["dtype"], info["device"]) == (4, 512, "float32", "cpu")
         tokens = client.post("/tokenize", json={"inputs": "Paris is"}).json()
         assert [t["id"] for t in tokens] == offline.tokenizer.encode("Paris is")
         assert "".join(t["text"] for t in tokens) == "Paris is"
+
+
+def test_model_name_defaults_to_the_model_argument():
+    assert Settings().served_model_name == "smollm2-135m-instruct"  # the default model's short name
+    assert Settings(model="/models/llama").served_model_name == "/models/llama"
+    assert Settings(model="/models/llama", model_name="llama-3").served_model_name == "llama-3"
 
 
 def test_non_streaming_client_that_leaves_frees_its_slot(server):
