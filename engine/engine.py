@@ -17,7 +17,7 @@ from engine.model import Transformer, build_model
 from engine.quantization import quantize_int4
 from engine.request import FinishReason, Request, TokenEvent
 from engine.rope import RotaryTable
-from engine.sampler import select_tokens
+from engine.sampler import Choice, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -58,9 +58,10 @@ class Completion:
     prompt_ids: list[int]
     output_ids: list[int]
     text: str
-    logprobs: list[float]
+    logprobs: list[float]  # of each output token
     finish_reason: FinishReason
     seed: int
+    top_logprobs: list[tuple[tuple[int, float], ...]]  # per output token: params.top_logprobs (id, logprob), best first
 
 
 class Engine:
@@ -174,11 +175,11 @@ class Engine:
         """Offline generation: every prompt to completion, batched over the slots."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        logprobs: dict[str, list[float]] = {r.request_id: [] for r in requests}
+        events: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
         while any(not r.finished for r in requests):
             for event in self.step():
-                logprobs[event.request_id].append(event.logprob)
-        return [self._completion(r, logprobs[r.request_id]) for r in requests]
+                events[event.request_id].append(event)
+        return [self._completion(r, events[r.request_id]) for r in requests]
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | Sequence[int], last_only: bool = False) -> torch.Tensor:
@@ -262,22 +263,22 @@ class Engine:
             tokens[row, : lengths[row]] = torch.tensor(request.prompt_ids, device=self.device)
         hidden = self.model(tokens, self.rotary, self.cache, batch)  # (n, width, hidden)
         logits = self.model.logits(hidden[batch.last_index()])  # (n, V): each row's last real position
-        chosen, logprobs = select_tokens(logits, requests)
-        return [self._append(r, t, lp) for r, t, lp in zip(requests, chosen, logprobs)]
+        return [self._append(r, choice) for r, choice in zip(requests, select_tokens(logits, requests))]
 
     def _prefill_long(self, request: Request) -> list[TokenEvent]:
         *_, hidden = self._forward_prompt(request.prompt_ids, request.slot)  # every chunk runs; the last predicts
-        (token,), (logprob,) = select_tokens(self.model.logits(hidden[:, -1]), [request])
-        return [self._append(request, token, logprob)]
+        (choice,) = select_tokens(self.model.logits(hidden[:, -1]), [request])
+        return [self._append(request, choice)]
 
     def _decode(self, requests: list[Request]) -> list[TokenEvent]:
         batch = DecodeBatch([r.slot for r in requests], [r.cached_tokens for r in requests], self.device)
         tokens = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)  # (b, 1)
         hidden = self.model(tokens, self.rotary, self.cache, batch)  # (b, 1, hidden)
-        chosen, logprobs = select_tokens(self.model.logits(hidden[:, 0]), requests)
-        return [self._append(r, t, lp) for r, t, lp in zip(requests, chosen, logprobs)]
+        choices = select_tokens(self.model.logits(hidden[:, 0]), requests)
+        return [self._append(r, choice) for r, choice in zip(requests, choices)]
 
-    def _append(self, request: Request, token: int, logprob: float) -> TokenEvent:
+    def _append(self, request: Request, choice: Choice) -> TokenEvent:
+        token = choice.token
         request.output_ids.append(token)
         text = request.detokenizer.push(token) if request.detokenizer else ""
         reason, stop_string = self._finish_reason(request, token, text)
@@ -288,8 +289,8 @@ class Engine:
             self.scheduler.release(request)
             self.requests.pop(request.request_id, None)
         special = self.tokenizer is not None and token in self.tokenizer.special_ids
-        return TokenEvent(request.request_id, len(request.output_ids) - 1, token, text, logprob, special,
-                          reason, stop_string)
+        return TokenEvent(request.request_id, len(request.output_ids) - 1, token, text, choice.logprob, special,
+                          reason, stop_string, choice.top)
 
     def _finish_reason(self, request: Request, token: int, piece: str) -> tuple[FinishReason | None, str | None]:
         params = request.params
@@ -305,9 +306,10 @@ class Engine:
             return FinishReason.LENGTH, None
         return None, None
 
-    def _completion(self, request: Request, logprobs: list[float]) -> Completion:
-        return Completion(request.request_id, request.prompt_ids, request.output_ids, request.text, logprobs,
-                          request.finish_reason, request.seed)
+    def _completion(self, request: Request, events: list[TokenEvent]) -> Completion:
+        return Completion(request.request_id, request.prompt_ids, request.output_ids, request.text,
+                          [e.logprob for e in events], request.finish_reason, request.seed,
+                          [e.top_logprobs for e in events])
 
 
 __all__ = ["Completion", "Engine", "EngineConfig"]

@@ -36,6 +36,7 @@ class TokenEvent:
     special: bool
     finish_reason: FinishReason | None = None
     stop_string: str | None = None  # which stop string ended the request, when one did
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the most likely tokens, best first
 
 
 @dataclass

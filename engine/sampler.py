@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -24,11 +25,20 @@ class SamplingState(Protocol):
     output_ids: list[int]
 
 
-def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState]) -> tuple[list[int], list[float]]:
-    """logits (b, V) float32 -> each row's next token and its log-probability under the model.
+@dataclass(frozen=True)
+class Choice:
+    """One row's next token, its log-probability, and the row's `top_logprobs` most likely tokens, best first."""
 
-    The log-probability is the model's own (before penalties, temperature and filters), as
-    OpenAI and TGI report it.
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState]) -> list[Choice]:
+    """logits (b, V) float32 -> each row's next token, with log-probabilities under the model.
+
+    Log-probabilities are the model's own (before penalties, temperature and filters), as
+    OpenAI and TGI report them.
     """
     scores = _penalize(logits, rows) if any(r.params.has_penalties for r in rows) else logits
     tokens = scores.argmax(dim=-1)
@@ -36,9 +46,16 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState]) -> tuple[
     if sampled:
         picked = _sample(scores[sampled], [rows[i] for i in sampled])
         tokens[sampled] = picked
-    # log softmax at the chosen token only: its logit minus the row's log-sum-exp.
-    chosen = logits.gather(-1, tokens[:, None])[:, 0] - logits.logsumexp(dim=-1)
-    return tokens.tolist(), chosen.tolist()
+    # log softmax where it is read only: a logit minus its row's log-sum-exp.
+    log_norm = logits.logsumexp(dim=-1)
+    chosen = logits.gather(-1, tokens[:, None])[:, 0] - log_norm
+    wanted = [r.params.top_logprobs for r in rows]
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(rows)
+    if max(wanted):
+        values, ids = logits.topk(max(wanted), dim=-1)  # (b, n), best first
+        values = (values - log_norm[:, None]).tolist()
+        tops = [tuple(zip(i[:n], v[:n])) for i, v, n in zip(ids.tolist(), values, wanted)]
+    return [Choice(*c) for c in zip(tokens.tolist(), chosen.tolist(), tops)]
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+
+
 class InvalidParameter(ValueError):
     """A sampling or request parameter outside its valid range; the message says which and why."""
 
@@ -26,6 +29,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # the most likely tokens to report, with logprobs, at each step
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -47,6 +51,8 @@ class SamplingParams:
               f"seed must be a non-negative integer, got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
+        check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+              f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -53,7 +53,8 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self.backend.id_to_token(token_id) or ""
+        """One token's text on its own, special tokens included; part of a UTF-8 character decodes to U+FFFD."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:

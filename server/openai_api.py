@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine import FinishReason, TokenEvent
+from engine import FinishReason, TokenEvent, Tokenizer
 from server import generation, sse
 from server.errors import APIError, error_body
 from server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
@@ -54,24 +55,35 @@ def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tok
     return generation.start(runner, metrics, prompt_ids, params)
 
 
-def completion_logprobs(events: list[TokenEvent]) -> dict:
+def completion_logprobs(events: list[TokenEvent], tokenizer: Tokenizer, offset: int, alternatives: int) -> dict:
+    """The completions shape: each token's text, logprob, alternatives {text: logprob}, and where its text starts."""
+    starts = list(itertools.accumulate((len(e.text) for e in events), initial=offset))[:-1]
+    top = [{tokenizer.token_text(i): lp for i, lp in e.top_logprobs} for e in events] if alternatives else None
     return {"tokens": [e.text for e in events], "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": None, "text_offset": []}
+            "top_logprobs": top, "text_offset": starts}
 
 
-def chat_logprobs(events: list[TokenEvent]) -> dict:
-    return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()), "top_logprobs": []}
+def chat_logprobs(events: list[TokenEvent], tokenizer: Tokenizer) -> dict:
+    """The chat shape: per token its text, logprob and UTF-8 bytes, and the same for each alternative."""
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(e.text, e.logprob) | {"top_logprobs": [entry(tokenizer.token_text(i), lp)
+                                                                      for i, lp in e.top_logprobs]}
                         for e in events]}
 
 
 async def openai_stream(gen: generation.Generation, body: OpenAISampling, make_chunk, include_usage: bool):
     trimmer = StopTrimmer(body.stops)
+    pending: list[TokenEvent] = []  # tokens whose text is held back still owe their logprobs to the next chunk
     try:
         async for event in gen:
+            pending.append(event)
             piece = trimmer.push(event)
             finish = OPENAI_FINISH[event.finish_reason] if event.finish_reason else None
             if piece or finish:
-                yield sse.event(make_chunk(piece, finish, [event]))
+                yield sse.event(make_chunk(piece, finish, pending))
+                pending = []
         if include_usage:
             yield sse.event(make_chunk(None, None, []) | {"choices": [], "usage": usage(gen)})
     except APIError as e:
@@ -100,11 +112,16 @@ def create_router() -> APIRouter:
         prompt_ids = generation.tokenize_prompt(runner, body.prompt)
         gen = admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
         ident, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
-        want_logprobs = body.logprobs is not None
+        want_logprobs, tokenizer = body.logprobs is not None, runner.engine.tokenizer
+        offset = len(body.prompt) if body.echo else 0  # where the next token's text starts in the returned text
 
         def chunk(text, finish, events):
-            choice = {"index": 0, "text": text, "finish_reason": finish,
-                      "logprobs": completion_logprobs(events) if want_logprobs and events else None}
+            nonlocal offset
+            logprobs = None
+            if want_logprobs and events:
+                logprobs = completion_logprobs(events, tokenizer, offset, body.top_alternatives)
+                offset += sum(len(e.text) for e in events)
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
             return {"id": ident, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -135,7 +152,7 @@ def create_router() -> APIRouter:
             if first and text is not None:
                 delta, first = {"role": "assistant", **delta}, False
             choice = {"index": 0, "delta": delta, "finish_reason": finish,
-                      "logprobs": chat_logprobs(events) if body.logprobs and events else None}
+                      "logprobs": chat_logprobs(events, runner.engine.tokenizer) if body.logprobs and events else None}
             return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": name,
                     "choices": [choice]}
 
@@ -145,7 +162,7 @@ def create_router() -> APIRouter:
         await gen.complete(request)
         text = "".join(StopTrimmer(body.stops).push(e) for e in gen.events)
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": chat_logprobs(gen.events) if body.logprobs else None,
+                  "logprobs": chat_logprobs(gen.events, runner.engine.tokenizer) if body.logprobs else None,
                   "finish_reason": OPENAI_FINISH[gen.events[-1].finish_reason]}
         return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": name,
                              "choices": [choice], "usage": usage(gen)})

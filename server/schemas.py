@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine import SamplingParams
+from engine.sampling import MAX_TOP_LOGPROBS
 
 
 class Strict(BaseModel):
@@ -36,11 +37,11 @@ class TGIParameters(Strict):
     details: bool = False
     return_full_text: bool | None = False
     truncate: int | None = Field(default=None, ge=1)
+    top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # TGI fields kvserve does not implement: their neutral values only.
     best_of: int | None = None
     watermark: bool = False
     typical_p: float | None = None
-    top_n_tokens: int | None = None
     decoder_input_details: bool = False
     grammar: Any = None
     adapter_id: str | None = None
@@ -48,7 +49,7 @@ class TGIParameters(Strict):
     @model_validator(mode="after")
     def _neutral(self):
         unsupported(self, {"best_of": (None, 1), "watermark": (False,), "typical_p": (None, 1.0),
-                           "top_n_tokens": (None, 0), "decoder_input_details": (False,), "grammar": (None,),
+                           "decoder_input_details": (False,), "grammar": (None,),
                            "adapter_id": (None, "")})
         return self
 
@@ -67,6 +68,7 @@ class TGIParameters(Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed,
             stop=tuple(self.stop),
+            top_logprobs=self.top_n_tokens or 0,
         )
 
 
@@ -117,6 +119,11 @@ class OpenAISampling(BaseModel):
         return self
 
     @property
+    def top_alternatives(self) -> int:
+        """Most likely tokens to report at each step, as this route's logprobs fields ask."""
+        return 0
+
+    @property
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
@@ -133,12 +140,13 @@ class OpenAISampling(BaseModel):
             seed=self.seed,
             stop=self.stops,
             ignore_eos=self.ignore_eos,
+            top_logprobs=self.top_alternatives,
         )
 
 
 class CompletionRequest(OpenAISampling):
     prompt: str | list[str]
-    logprobs: int | None = Field(default=None, ge=0, le=0)  # the chosen token's logprob only
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the chosen token's logprob and up to 5 alternatives
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -153,6 +161,10 @@ class CompletionRequest(OpenAISampling):
             raise ValueError("prompt is empty")
         unsupported(self, {"suffix": (None, ""), "best_of": (None, 1)})
         return self
+
+    @property
+    def top_alternatives(self) -> int:
+        return self.logprobs or 0
 
 
 class ContentPart(BaseModel):
@@ -176,7 +188,7 @@ class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None
     tool_choice: Any = None
     response_format: dict | None = None
@@ -184,11 +196,17 @@ class ChatCompletionRequest(OpenAISampling):
 
     @model_validator(mode="after")
     def _neutral_fields(self):
-        unsupported(self, {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+        unsupported(self, {"tools": (None, []), "tool_choice": (None, "none"),
                            "parallel_tool_calls": (None, True, False)})
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError("response_format other than {'type': 'text'} is not supported by kvserve")
         return self
+
+    @property
+    def top_alternatives(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     def rendered_messages(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages]

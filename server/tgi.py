@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine import FinishReason, TokenEvent
+from engine import FinishReason, TokenEvent, Tokenizer
 from server import generation, sse
 from server.errors import APIError, error_body
 from server.schemas import GenerateRequest
@@ -19,12 +19,20 @@ def token(event: TokenEvent) -> dict:
     return {"id": event.token_id, "text": event.text, "logprob": event.logprob, "special": event.special}
 
 
-def details(gen: generation.Generation, input_length: int, with_tokens: bool) -> dict:
+def top_tokens(event: TokenEvent, tokenizer: Tokenizer) -> list[dict]:
+    """The `top_n_tokens` most likely tokens at this step, best first, each as its own text."""
+    return [{"id": i, "text": tokenizer.token_text(i), "logprob": logprob, "special": i in tokenizer.special_ids}
+            for i, logprob in event.top_logprobs]
+
+
+def details(gen: generation.Generation, input_length: int, with_tokens: bool, tokenizer: Tokenizer) -> dict:
     last = gen.events[-1]
     body = {"finish_reason": TGI_FINISH[last.finish_reason], "generated_tokens": len(gen.events),
             "seed": gen.stream.seed if gen.stream.params.temperature > 0 else None, "input_length": input_length}
     if with_tokens:
         body |= {"prefill": [], "tokens": [token(e) for e in gen.events]}
+        if gen.stream.params.top_logprobs:
+            body["top_tokens"] = [top_tokens(e, tokenizer) for e in gen.events]
     return body
 
 
@@ -39,15 +47,17 @@ def admit(body: GenerateRequest, request: Request) -> tuple[generation.Generatio
     return generation.start(runner, metrics, prompt_ids, params), prefix
 
 
-async def stream_events(gen: generation.Generation, prefix: str, want_details: bool):
+async def stream_events(gen: generation.Generation, prefix: str, want_details: bool, tokenizer: Tokenizer):
     input_length = len(gen.stream.prompt_ids)
+    want_top = gen.stream.params.top_logprobs > 0
     try:
         async for event in gen:
             done = event.finish_reason is not None
             yield sse.event({
-                "index": event.index, "token": token(event), "top_tokens": None,
+                "index": event.index, "token": token(event),
+                "top_tokens": top_tokens(event, tokenizer) if want_top else None,
                 "generated_text": prefix + gen.text if done else None,
-                "details": details(gen, input_length, with_tokens=False) if done and want_details else None,
+                "details": details(gen, input_length, False, tokenizer) if done and want_details else None,
             }, space=False)
     except APIError as e:  # after the first byte: the error travels as an event, then the stream ends
         yield sse.event(error_body("/generate", e.status, e.message, e.error_type), space=False)
@@ -64,13 +74,14 @@ def create_router() -> APIRouter:
         await gen.complete(request)
         result = {"generated_text": prefix + gen.text}
         if body.parameters.details:
-            result["details"] = details(gen, len(gen.stream.prompt_ids), with_tokens=True)
+            result["details"] = details(gen, len(gen.stream.prompt_ids), True, request.app.state.runner.engine.tokenizer)
         return JSONResponse(result)
 
     @router.post("/generate_stream")
     async def generate_stream(body: GenerateRequest, request: Request):
         gen, prefix = admit(body, request)
-        return StreamingResponse(stream_events(gen, prefix, body.parameters.details), media_type="text/event-stream",
+        events = stream_events(gen, prefix, body.parameters.details, request.app.state.runner.engine.tokenizer)
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @router.post("/")

@@ -40,11 +40,22 @@ def test_batched_decode_logprobs_match_full_forward(model_dir, make_engine, hf_m
     """Every decode step of a mixed-length batch scores its token as a full forward over the prefix does."""
     path = model_dir("gqa")
     engine, reference = make_engine(path), hf_model(path)
-    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
-    for completion in completions:
+    wanted = [0, 3, 5]  # alternatives per token, different for each row of the batch
+    completions = engine.generate(PROMPTS, [SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True,
+                                                           top_logprobs=n) for n in wanted])
+    for completion, n in zip(completions, wanted):
         full = completion.prompt_ids + completion.output_ids
         with torch.no_grad():
             logprobs = reference(torch.tensor([full])).logits[0].log_softmax(-1)
-        n = len(completion.prompt_ids)
-        expected = [logprobs[n - 1 + i, t].item() for i, t in enumerate(completion.output_ids)]
+        start = len(completion.prompt_ids) - 1  # the position whose output predicts the first new token
+        expected = [logprobs[start + i, t].item() for i, t in enumerate(completion.output_ids)]
         assert completion.logprobs == pytest.approx(expected, abs=1e-4)
+        for i, top in enumerate(completion.top_logprobs):
+            row = logprobs[start + i]
+            assert len(top) == n
+            assert [lp for _, lp in top] == pytest.approx([row[t].item() for t, _ in top], abs=1e-4)
+            if n:  # a valid top n (robust to near-ties in order): nothing left out beats the last one reported
+                assert top[0][0] == completion.output_ids[i]  # greedy picks the most likely
+                left_out = row.clone()
+                left_out[[t for t, _ in top]] = float("-inf")
+                assert left_out.max().item() <= top[-1][1] + 1e-4

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import InvalidParameter, SamplingParams
+from engine.sampler import select_tokens
 from engine.sampling import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
 
 NEG_INF = float("-inf")
@@ -45,6 +46,21 @@ def test_filters_are_per_row():
     logits = torch.cat([probs_to_logits(0.1, 0.4, 0.2, 0.3)] * 2)
     out = top_k_filter(logits, torch.tensor([1, 3]))
     assert (out != NEG_INF).sum(-1).tolist() == [1, 3]
+
+
+def test_top_logprobs_are_the_most_likely_tokens_per_row():
+    class Row:  # what select_tokens reads of a request
+        def __init__(self, top_logprobs: int):
+            self.params = SamplingParams(temperature=0, top_logprobs=top_logprobs)
+            self.prompt_ids, self.output_ids, self.generator = [], [], torch.Generator()
+
+    logits = torch.cat([probs_to_logits(0.1, 0.4, 0.2, 0.3), probs_to_logits(0.5, 0.05, 0.25, 0.2)])
+    first, second = select_tokens(logits, [Row(3), Row(0)])
+    assert (first.token, second.token) == (1, 0)
+    assert [t for t, _ in first.top] == [1, 3, 2]
+    assert [lp for _, lp in first.top] == pytest.approx([math.log(0.4), math.log(0.3), math.log(0.2)], abs=1e-6)
+    assert first.logprob == first.top[0][1]
+    assert second.top == ()
 
 
 def test_repetition_penalty_lowers_seen_tokens_of_either_sign():
@@ -98,6 +114,7 @@ def test_unseeded_requests_report_the_seed_that_reproduces_them(make_engine):
     ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1"),
     ("seed", -3, "seed must be a non-negative integer"),
     ("presence_penalty", 3.0, "presence_penalty must be in [-2, 2]"),
+    ("top_logprobs", 21, "top_logprobs must be an integer in [0, 20]"),
 ])
 def test_bad_parameters_are_rejected_with_a_clear_message(field, value, message):
     with pytest.raises(InvalidParameter) as error:

@@ -112,6 +112,53 @@ def test_openai_client_completions_and_chat(server, offline):
     assert completion.model == chat.model == server.settings.model
 
 
+def assert_same_alternatives(got: list[list[tuple]], want: list[list[tuple]]) -> None:
+    """Per token, the same alternatives (ids or texts) in the same order, with logprobs within 1e-5."""
+    assert [[key for key, _ in top] for top in got] == [[key for key, _ in top] for top in want]
+    assert [lp for top in got for _, lp in top] == pytest.approx([lp for top in want for _, lp in top], abs=1e-5)
+
+
+def test_top_logprobs_in_every_api_match_the_engine(server, offline):
+    """Alternatives per token over TGI, OpenAI chat and completions, streamed or not, equal the engine's own."""
+    from openai import OpenAI
+
+    prompt = PROMPTS[3]
+    alone = offline.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0, top_logprobs=3))[0]
+    expected = [[(offline.tokenizer.token_text(i), lp) for i, lp in top] for top in alone.top_logprobs]
+    assert all(len(top) == 3 for top in expected)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 6, "top_n_tokens": 3, "details": True}}
+        tgi = http.post("/generate", json=body).json()["details"]["top_tokens"]
+        with connect_sse(http, "POST", "/generate_stream", json=body) as source:
+            streamed = [json.loads(e.data)["top_tokens"] for e in source.iter_sse()]
+    for got in (tgi, streamed):
+        assert_same_alternatives([[(t["id"], t["logprob"]) for t in top] for top in got], alone.top_logprobs)
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": prompt}]
+    chat_prompt = offline.tokenizer.encode(offline.tokenizer.render_chat(messages), add_special_tokens=False)
+    chat_alone = offline.generate([chat_prompt], SamplingParams(max_new_tokens=6, temperature=0, top_logprobs=2))[0]
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    chunks = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=2, stream=True)
+    chat_streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    for content in (chat.choices[0].logprobs.content, chat_streamed):
+        assert [e.logprob for e in content] == pytest.approx(chat_alone.logprobs, abs=1e-5)
+        assert_same_alternatives([[(t.token, t.logprob) for t in e.top_logprobs] for e in content],
+                                 [[(offline.tokenizer.token_text(i), lp) for i, lp in top]
+                                  for top in chat_alone.top_logprobs])
+        assert all(e.top_logprobs[0].bytes == list(e.top_logprobs[0].token.encode()) for e in content)
+
+    completion = client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert_same_alternatives([sorted(top.items()) for top in logprobs.top_logprobs],
+                             [sorted(dict(top).items()) for top in expected])
+    assert "".join(logprobs.tokens) == completion.choices[0].text == alone.text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+
 def test_openai_stop_string_is_excluded(server, offline):
     from openai import OpenAI
 
@@ -184,6 +231,12 @@ BAD_INPUTS = [
     ("openai n=2", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=2 is not supported"),
     ("openai bad temperature", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ("openai empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+    ("top_logprobs above 20", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("completions logprobs above 5", "/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("top_n_tokens above 20", "/generate", {"inputs": "hi", "parameters": {"top_n_tokens": 21}}, 422, "top_n_tokens"),
 ]
 
 
