@@ -140,8 +140,9 @@ def test_top_logprobs_in_every_api_match_the_engine(server, offline):
     chat_alone = offline.generate([chat_prompt], SamplingParams(max_new_tokens=6, temperature=0, top_logprobs=2))[0]
     chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True,
                                           top_logprobs=2)
+    # A stop string that never comes makes the stream hold text back; those tokens' logprobs must still arrive.
     chunks = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                            top_logprobs=2, stream=True)
+                                            top_logprobs=2, stream=True, stop=["\u2603never\u2603"])
     chat_streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
     for content in (chat.choices[0].logprobs.content, chat_streamed):
         assert [e.logprob for e in content] == pytest.approx(chat_alone.logprobs, abs=1e-5)
