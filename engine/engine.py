@@ -17,10 +17,12 @@ from engine.model import Transformer, build_model
 from engine.quantization import quantize_int4
 from engine.request import FinishReason, Request, TokenEvent
 from engine.rope import RotaryTable
-from engine.sampler import Choice, select_tokens
+from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
 
 log = logging.getLogger("kvserve.engine")
 
@@ -62,6 +64,7 @@ class Completion:
     finish_reason: FinishReason
     seed: int
     top_logprobs: list[tuple[tuple[int, float], ...]]  # per output token: params.top_logprobs (id, logprob), best first
+    prompt_logprobs: list[Choice] | None  # prompt tokens 1.. scored by their prefix, when params.prompt_logprobs
 
 
 class Engine:
@@ -262,13 +265,37 @@ class Engine:
         for row, request in enumerate(requests):
             tokens[row, : lengths[row]] = torch.tensor(request.prompt_ids, device=self.device)
         hidden = self.model(tokens, self.rotary, self.cache, batch)  # (n, width, hidden)
+        for row, request in enumerate(requests):
+            if request.params.prompt_logprobs:  # position i scores prompt token i + 1
+                request.prompt_logprobs = self._score_prompt(hidden[row, : lengths[row] - 1], request.prompt_ids[1:],
+                                                             request.params.top_logprobs)
         logits = self.model.logits(hidden[batch.last_index()])  # (n, V): each row's last real position
         return [self._append(r, choice) for r, choice in zip(requests, select_tokens(logits, requests))]
 
     def _prefill_long(self, request: Request) -> list[TokenEvent]:
-        *_, hidden = self._forward_prompt(request.prompt_ids, request.slot)  # every chunk runs; the last predicts
+        params, start, scores = request.params, 0, []
+        for hidden in self._forward_prompt(request.prompt_ids, request.slot):  # (1, n, hidden); the last predicts
+            if params.prompt_logprobs:  # this chunk's positions score the prompt tokens that follow them
+                targets = request.prompt_ids[start + 1: start + 1 + hidden.shape[1]]
+                scores += self._score_prompt(hidden[0, : len(targets)], targets, params.top_logprobs)
+            start += hidden.shape[1]
+        if params.prompt_logprobs:
+            request.prompt_logprobs = scores
         (choice,) = select_tokens(self.model.logits(hidden[:, -1]), [request])
         return [self._append(request, choice)]
+
+    def _score_prompt(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[Choice]:
+        """hidden (m, hidden) of prompt positions -> the log-probability of each next prompt token in `targets`.
+
+        The LM head runs over a few hundred positions at a time: (m, V) float32 logits of a long
+        prompt would be gigabytes.
+        """
+        scores: list[Choice] = []
+        for i in range(0, len(targets), SCORE_ROWS):
+            logits = self.model.logits(hidden[i: i + SCORE_ROWS])  # (rows, V)
+            rows = torch.tensor(targets[i: i + SCORE_ROWS], device=self.device)
+            scores += score(logits, rows, [top_n] * len(rows))
+        return scores
 
     def _decode(self, requests: list[Request]) -> list[TokenEvent]:
         batch = DecodeBatch([r.slot for r in requests], [r.cached_tokens for r in requests], self.device)
@@ -289,8 +316,10 @@ class Engine:
             self.scheduler.release(request)
             self.requests.pop(request.request_id, None)
         special = self.tokenizer is not None and token in self.tokenizer.special_ids
+        first = len(request.output_ids) == 1
+        prompt_logprobs = tuple(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None
         return TokenEvent(request.request_id, len(request.output_ids) - 1, token, text, choice.logprob, special,
-                          reason, stop_string, choice.top)
+                          reason, stop_string, choice.top, prompt_logprobs)
 
     def _finish_reason(self, request: Request, token: int, piece: str) -> tuple[FinishReason | None, str | None]:
         params = request.params
@@ -309,7 +338,7 @@ class Engine:
     def _completion(self, request: Request, events: list[TokenEvent]) -> Completion:
         return Completion(request.request_id, request.prompt_ids, request.output_ids, request.text,
                           [e.logprob for e in events], request.finish_reason, request.seed,
-                          [e.top_logprobs for e in events])
+                          [e.top_logprobs for e in events], request.prompt_logprobs)
 
 
 __all__ = ["Completion", "Engine", "EngineConfig"]

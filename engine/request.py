@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sampler import Choice
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
 
@@ -37,6 +38,8 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None  # which stop string ended the request, when one did
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the most likely tokens, best first
+    # On a request's first event when it asked for prompt_logprobs: prompt tokens 1.. as scored by their prefix.
+    prompt_logprobs: tuple[Choice, ...] | None = None
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Request:
     status: Status = Status.WAITING
     slot: int | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[Choice] | None = None  # filled at prefill when params.prompt_logprobs
 
     @property
     def num_tokens(self) -> int:

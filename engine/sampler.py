@@ -46,12 +46,16 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState]) -> list[C
     if sampled:
         picked = _sample(scores[sampled], [rows[i] for i in sampled])
         tokens[sampled] = picked
+    return score(logits, tokens, [r.params.top_logprobs for r in rows])
+
+
+def score(logits: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[int]) -> list[Choice]:
+    """logits (b, V), tokens (b,) -> each token's log-probability and its row's `wanted[row]` most likely tokens."""
     # log softmax where it is read only: a logit minus its row's log-sum-exp.
     log_norm = logits.logsumexp(dim=-1)
     chosen = logits.gather(-1, tokens[:, None])[:, 0] - log_norm
-    wanted = [r.params.top_logprobs for r in rows]
-    tops: list[tuple[tuple[int, float], ...]] = [()] * len(rows)
-    if max(wanted):
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if max(wanted, default=0):
         values, ids = logits.topk(max(wanted), dim=-1)  # (b, n), best first
         values = (values - log_norm[:, None]).tolist()
         tops = [tuple(zip(i[:n], v[:n])) for i, v, n in zip(ids.tolist(), values, wanted)]

@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0  # the most likely tokens to report, with logprobs, at each step
+    prompt_logprobs: bool = False  # also score every prompt token (with top_logprobs alternatives) at prefill
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

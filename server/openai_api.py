@@ -55,12 +55,22 @@ def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tok
     return generation.start(runner, metrics, prompt_ids, params)
 
 
-def completion_logprobs(events: list[TokenEvent], tokenizer: Tokenizer, offset: int, alternatives: int) -> dict:
-    """The completions shape: each token's text, logprob, alternatives {text: logprob}, and where its text starts."""
-    starts = list(itertools.accumulate((len(e.text) for e in events), initial=offset))[:-1]
-    top = [{tokenizer.token_text(i): lp for i, lp in e.top_logprobs} for e in events] if alternatives else None
-    return {"tokens": [e.text for e in events], "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": top, "text_offset": starts}
+def completion_logprobs(entries: list[tuple[str, float | None, dict | None]], offset: int, alternatives: int) -> dict:
+    """The completions shape from (text, logprob, {text: logprob} alternatives) per token; texts start at `offset`."""
+    starts = list(itertools.accumulate((len(text) for text, _, _ in entries), initial=offset))[:-1]
+    return {"tokens": [text for text, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [top for _, _, top in entries] if alternatives else None, "text_offset": starts}
+
+
+def generated_entries(events: list[TokenEvent], tokenizer: Tokenizer) -> list[tuple[str, float | None, dict | None]]:
+    return [(e.text, e.logprob, {tokenizer.token_text(i): lp for i, lp in e.top_logprobs}) for e in events]
+
+
+def prompt_entries(prompt_ids: list[int], first: TokenEvent, tokenizer: Tokenizer) -> list[tuple[str, float | None, dict | None]]:
+    """The echoed prompt's tokens; the first has nothing before it to be scored by."""
+    texts = [tokenizer.token_text(i) for i in prompt_ids]
+    return [(texts[0], None, None)] + [(text, c.logprob, {tokenizer.token_text(i): lp for i, lp in c.top})
+                                       for text, c in zip(texts[1:], first.prompt_logprobs or ())]
 
 
 def chat_logprobs(events: list[TokenEvent], tokenizer: Tokenizer) -> dict:
@@ -73,11 +83,15 @@ def chat_logprobs(events: list[TokenEvent], tokenizer: Tokenizer) -> dict:
                         for e in events]}
 
 
-async def openai_stream(gen: generation.Generation, body: OpenAISampling, make_chunk, include_usage: bool):
+async def openai_stream(gen: generation.Generation, body: OpenAISampling, make_chunk, include_usage: bool,
+                        lead=None):
+    """SSE chunks of a generation; `lead(first_event)`, when given, is one chunk sent before the generated text."""
     trimmer = StopTrimmer(body.stops)
     pending: list[TokenEvent] = []  # tokens whose text is held back still owe their logprobs to the next chunk
     try:
         async for event in gen:
+            if lead is not None and event.index == 0:
+                yield sse.event(lead(event))
             pending.append(event)
             piece = trimmer.push(event)
             finish = OPENAI_FINISH[event.finish_reason] if event.finish_reason else None
@@ -115,21 +129,33 @@ def create_router() -> APIRouter:
         want_logprobs, tokenizer = body.logprobs is not None, runner.engine.tokenizer
         offset = len(body.prompt) if body.echo else 0  # where the next token's text starts in the returned text
 
-        def chunk(text, finish, events):
+        def chunk(text, finish, events, logprobs=None):
             nonlocal offset
-            logprobs = None
-            if want_logprobs and events:
-                logprobs = completion_logprobs(events, tokenizer, offset, body.top_alternatives)
+            if logprobs is None and want_logprobs and events:
+                logprobs = completion_logprobs(generated_entries(events, tokenizer), offset, body.top_alternatives)
                 offset += sum(len(e.text) for e in events)
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
             return {"id": ident, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
 
+        def echoed(first: TokenEvent) -> dict:
+            """The prompt as the first chunk of the answer, with its tokens' logprobs when asked."""
+            logprobs = None
+            if want_logprobs:
+                logprobs = completion_logprobs(prompt_entries(prompt_ids, first, tokenizer), 0, body.top_alternatives)
+            return chunk(body.prompt, None, [], logprobs)
+
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return sse_response(openai_stream(gen, body, chunk, include_usage))
+            return sse_response(openai_stream(gen, body, chunk, include_usage, echoed if body.echo else None))
         await gen.complete(request)
         text = "".join(StopTrimmer(body.stops).push(e) for e in gen.events)
-        result = chunk((body.prompt if body.echo else "") + text, OPENAI_FINISH[gen.events[-1].finish_reason], gen.events)
+        result = chunk(text, OPENAI_FINISH[gen.events[-1].finish_reason], gen.events)
+        if body.echo:  # the prompt's chunk and the generated one, joined
+            lead, choice = echoed(gen.events[0])["choices"][0], result["choices"][0]
+            choice["text"] = lead["text"] + choice["text"]
+            if want_logprobs:
+                choice["logprobs"] = {key: (value + choice["logprobs"][key]) if value is not None else None
+                                      for key, value in lead["logprobs"].items()}
         return JSONResponse(result | {"usage": usage(gen)})
 
     @router.post("/chat/completions")

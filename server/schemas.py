@@ -38,18 +38,18 @@ class TGIParameters(Strict):
     return_full_text: bool | None = False
     truncate: int | None = Field(default=None, ge=1)
     top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    decoder_input_details: bool = False  # the prompt tokens with their logprobs, in details.prefill
     # TGI fields kvserve does not implement: their neutral values only.
     best_of: int | None = None
     watermark: bool = False
     typical_p: float | None = None
-    decoder_input_details: bool = False
     grammar: Any = None
     adapter_id: str | None = None
 
     @model_validator(mode="after")
     def _neutral(self):
         unsupported(self, {"best_of": (None, 1), "watermark": (False,), "typical_p": (None, 1.0),
-                           "decoder_input_details": (False,), "grammar": (None,),
+                           "grammar": (None,),
                            "adapter_id": (None, "")})
         return self
 
@@ -69,6 +69,7 @@ class TGIParameters(Strict):
             seed=self.seed,
             stop=tuple(self.stop),
             top_logprobs=self.top_n_tokens or 0,
+            prompt_logprobs=self.decoder_input_details,
         )
 
 
@@ -124,6 +125,11 @@ class OpenAISampling(BaseModel):
         return 0
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether the response carries the prompt tokens' logprobs too."""
+        return False
+
+    @property
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
@@ -141,6 +147,7 @@ class OpenAISampling(BaseModel):
             stop=self.stops,
             ignore_eos=self.ignore_eos,
             top_logprobs=self.top_alternatives,
+            prompt_logprobs=self.scores_prompt,
         )
 
 
@@ -165,6 +172,10 @@ class CompletionRequest(OpenAISampling):
     @property
     def top_alternatives(self) -> int:
         return self.logprobs or 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.echo and self.logprobs is not None  # echo with logprobs scores the echoed prompt, as vLLM does
 
 
 class ContentPart(BaseModel):

@@ -25,12 +25,22 @@ def top_tokens(event: TokenEvent, tokenizer: Tokenizer) -> list[dict]:
             for i, logprob in event.top_logprobs]
 
 
+def prefill(gen: generation.Generation, tokenizer: Tokenizer) -> list[dict]:
+    """With decoder_input_details: each prompt token and its logprob given the tokens before it (none for the first)."""
+    scored = gen.events[0].prompt_logprobs
+    if scored is None:
+        return []
+    first = gen.stream.prompt_ids[0]
+    return [{"id": first, "text": tokenizer.token_text(first), "logprob": None}] + [
+        {"id": c.token, "text": tokenizer.token_text(c.token), "logprob": c.logprob} for c in scored]
+
+
 def details(gen: generation.Generation, input_length: int, with_tokens: bool, tokenizer: Tokenizer) -> dict:
     last = gen.events[-1]
     body = {"finish_reason": TGI_FINISH[last.finish_reason], "generated_tokens": len(gen.events),
             "seed": gen.stream.seed if gen.stream.params.temperature > 0 else None, "input_length": input_length}
     if with_tokens:
-        body |= {"prefill": [], "tokens": [token(e) for e in gen.events]}
+        body |= {"prefill": prefill(gen, tokenizer), "tokens": [token(e) for e in gen.events]}
         if gen.stream.params.top_logprobs:
             body["top_tokens"] = [top_tokens(e, tokenizer) for e in gen.events]
     return body
@@ -79,6 +89,8 @@ def create_router() -> APIRouter:
 
     @router.post("/generate_stream")
     async def generate_stream(body: GenerateRequest, request: Request):
+        if body.parameters.decoder_input_details:  # TGI's rule: stream events carry no prefill details
+            raise APIError(422, "decoder_input_details is not supported when streaming tokens", "validation")
         gen, prefix = admit(body, request)
         events = stream_events(gen, prefix, body.parameters.details, request.app.state.runner.engine.tokenizer)
         return StreamingResponse(events, media_type="text/event-stream",

@@ -59,3 +59,26 @@ def test_batched_decode_logprobs_match_full_forward(model_dir, make_engine, hf_m
                 left_out = row.clone()
                 left_out[[t for t, _ in top]] = float("-inf")
                 assert left_out.max().item() <= top[-1][1] + 1e-4
+
+
+@pytest.mark.parametrize("chunk", [512, 4], ids=["prompts batched", "prompts in chunks of 4"])
+def test_prompt_logprobs_match_transformers(chunk, model_dir, make_engine, hf_model):
+    """Each prompt token scored by its prefix, with alternatives, as a full forward of transformers scores it."""
+    path = model_dir("gqa")
+    engine, reference = make_engine(path, prefill_chunk_size=chunk), hf_model(path)
+    params = [SamplingParams(max_new_tokens=2, temperature=0, prompt_logprobs=True, top_logprobs=n) for n in (0, 2, 4)]
+    for completion, n in zip(engine.generate(PROMPTS, params), (0, 2, 4)):
+        ids = completion.prompt_ids
+        with torch.no_grad():
+            logprobs = reference(torch.tensor([ids])).logits[0].log_softmax(-1)  # row i scores token i + 1
+        scored = completion.prompt_logprobs
+        assert [c.token for c in scored] == ids[1:]
+        assert [c.logprob for c in scored] == pytest.approx([logprobs[i, t].item() for i, t in enumerate(ids[1:])],
+                                                            abs=1e-4)
+        for i, choice in enumerate(scored):
+            assert len(choice.top) == n
+            assert [lp for _, lp in choice.top] == pytest.approx([logprobs[i, t].item() for t, _ in choice.top], abs=1e-4)
+            if n:
+                assert choice.top[0][1] == pytest.approx(logprobs[i].max().item(), abs=1e-4)
+    plain = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0))[0]
+    assert plain.prompt_logprobs is None

@@ -160,6 +160,45 @@ def test_top_logprobs_in_every_api_match_the_engine(server, offline):
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
 
 
+def test_prompt_logprobs_over_tgi_and_openai_echo(server, offline):
+    """decoder_input_details and echo+logprobs score each prompt token by its prefix, as the engine does."""
+    from openai import OpenAI
+
+    prompt = PROMPTS[1]
+    alone = offline.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0, prompt_logprobs=True,
+                                                      top_logprobs=2))[0]
+    ids = alone.prompt_ids
+    texts = [offline.tokenizer.token_text(i) for i in ids]
+    expected = [None] + [c.logprob for c in alone.prompt_logprobs]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        details = http.post("/generate", json={"inputs": prompt, "parameters": {
+            "max_new_tokens": 4, "details": True, "decoder_input_details": True}}).json()["details"]
+    assert [t["id"] for t in details["prefill"]] == ids
+    assert [t["text"] for t in details["prefill"]] == texts
+    assert details["prefill"][0]["logprob"] is None
+    assert [t["logprob"] for t in details["prefill"][1:]] == pytest.approx(expected[1:], abs=1e-5)
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    full = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    choice = full.choices[0]
+    assert choice.text == prompt + alone.text
+    n = len(ids)
+    assert choice.logprobs.tokens[:n] == texts and "".join(choice.logprobs.tokens[n:]) == alone.text
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected[1:] + alone.logprobs, abs=1e-5)
+    assert_same_alternatives([sorted(top.items()) for top in choice.logprobs.top_logprobs[1:n]],
+                             [sorted({offline.tokenizer.token_text(i): lp for i, lp in c.top}.items())
+                              for c in alone.prompt_logprobs])
+    assert choice.logprobs.text_offset[n] == len(prompt)  # generated text starts after the echoed prompt
+
+    chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    assert chunks[0].choices[0].text == prompt
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == choice.logprobs.token_logprobs
+
+
 def test_openai_stop_string_is_excluded(server, offline):
     from openai import OpenAI
 
@@ -238,6 +277,8 @@ BAD_INPUTS = [
      {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("completions logprobs above 5", "/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ("top_n_tokens above 20", "/generate", {"inputs": "hi", "parameters": {"top_n_tokens": 21}}, 422, "top_n_tokens"),
+    ("streamed decoder_input_details", "/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}},
+     422, "not supported when streaming"),
 ]
 
 
