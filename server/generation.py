@@ -81,6 +81,16 @@ def tokenize_prompt(runner: EngineRunner, text: str, add_special_tokens: bool = 
     return ids
 
 
+def checked_token_ids(runner: EngineRunner, ids: list[int]) -> list[int]:
+    """A prompt given as token ids: each must be in the model's vocabulary."""
+    ensure_ready(runner)
+    vocab = runner.engine.model.config.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise APIError(422, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", "validation")
+    return ids
+
+
 def ensure_ready(runner: EngineRunner) -> None:
     if not runner.ready:
         raise APIError(503, runner.load_error or "the model is still loading; retry shortly", "unavailable",

@@ -123,11 +123,16 @@ def create_router() -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         runner = request.app.state.runner
-        prompt_ids = generation.tokenize_prompt(runner, body.prompt)
+        if isinstance(body.prompt, str):
+            prompt_ids = generation.tokenize_prompt(runner, body.prompt)
+            prompt_text = body.prompt
+        else:  # token ids, as vLLM takes them: echoed as their text
+            prompt_ids = generation.checked_token_ids(runner, body.prompt)
+            prompt_text = runner.engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         gen = admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
         ident, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
         want_logprobs, tokenizer = body.logprobs is not None, runner.engine.tokenizer
-        offset = len(body.prompt) if body.echo else 0  # where the next token's text starts in the returned text
+        offset = len(prompt_text) if body.echo else 0  # where the next token's text starts in the returned text
 
         def chunk(text, finish, events, logprobs=None):
             nonlocal offset
@@ -142,7 +147,7 @@ def create_router() -> APIRouter:
             logprobs = None
             if want_logprobs:
                 logprobs = completion_logprobs(prompt_entries(prompt_ids, first, tokenizer), 0, body.top_alternatives)
-            return chunk(body.prompt, None, [], logprobs)
+            return chunk(prompt_text, None, [], logprobs)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:

@@ -152,7 +152,7 @@ class OpenAISampling(BaseModel):
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, one prompt per request
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the chosen token's logprob and up to 5 alternatives
     echo: bool = False
     suffix: str | None = None
@@ -160,9 +160,9 @@ class CompletionRequest(OpenAISampling):
 
     @model_validator(mode="after")
     def _one_prompt(self):
-        if isinstance(self.prompt, list):
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
             if len(self.prompt) != 1:
-                raise ValueError("prompt: send one prompt per request (a list of exactly one string)")
+                raise ValueError("prompt: send one prompt per request (a list of exactly one string or token list)")
             self.prompt = self.prompt[0]
         if not self.prompt:
             raise ValueError("prompt is empty")

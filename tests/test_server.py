@@ -191,6 +191,11 @@ def test_prompt_logprobs_over_tgi_and_openai_echo(server, offline):
                               for c in alone.prompt_logprobs])
     assert choice.logprobs.text_offset[n] == len(prompt)  # generated text starts after the echoed prompt
 
+    for as_ids in (ids, [ids]):  # token ids instead of text, as vLLM accepts them: the same answer
+        by_ids = client.completions.create(model="m", prompt=as_ids, max_tokens=4, temperature=0, echo=True, logprobs=2)
+        assert by_ids.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
+        assert by_ids.choices[0].text == offline.tokenizer.decode(ids, skip_special_tokens=False) + alone.text
+
     chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, echo=True,
                                             logprobs=2, stream=True))
     assert chunks[0].choices[0].text == prompt
@@ -277,6 +282,8 @@ BAD_INPUTS = [
      {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("completions logprobs above 5", "/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ("top_n_tokens above 20", "/generate", {"inputs": "hi", "parameters": {"top_n_tokens": 21}}, 422, "top_n_tokens"),
+    ("prompt ids out of vocabulary", "/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt token ids must be in"),
+    ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt is empty"),
     ("streamed decoder_input_details", "/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}},
      422, "not supported when streaming"),
 ]
