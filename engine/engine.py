@@ -21,6 +21,7 @@ from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.weight_left_linear import use_weight_left_products
 
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
 
@@ -115,6 +116,8 @@ class Engine:
         model = build_model(model_config, state, device)
         if config.quantize == "int4":
             quantize_int4(model)
+        elif device.type == "cpu" and dtype == torch.float32:
+            use_weight_left_products(model)  # MKL's faster kernels for decode-sized products
         return cls(model, Tokenizer.from_dir(path), config)
 
     # ---- the public API --------------------------------------------------------------------
