@@ -25,6 +25,10 @@ class WeightLeftLinear(nn.Module):
         self.bias = linear.bias
         self.max_rows = max_rows
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # (m, in)
         m = rows.shape[0]
