@@ -10,7 +10,7 @@ import torch
 from bench.common import Timing, machine, machine_line, markdown_table, plot, timed, write_results
 from engine import Engine, EngineConfig, SamplingParams
 from engine.quantization import Int4Linear
-from engine.weight_left_linear import WeightLeftLinear
+from engine.cpu_linear import CpuLinear
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def projections(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every matrix product of a decode step: the blocks' projections and the LM head, whatever their kind."""
-    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, WeightLeftLinear, Int4Linear))]
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, CpuLinear, Int4Linear))]
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

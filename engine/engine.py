@@ -11,7 +11,8 @@ from typing import Iterator, Sequence
 import torch
 
 from engine.batch import DecodeBatch, PrefillBatch
-from engine.device import resolve_device, resolve_dtype
+from engine.cpu_linear import use_cpu_products
+from engine.device import cpu_has_native_bf16, resolve_device, resolve_dtype
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
 from engine.quantization import quantize_int4
@@ -21,7 +22,6 @@ from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weight_left_linear import use_weight_left_products
 
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
 
@@ -116,8 +116,8 @@ class Engine:
         model = build_model(model_config, state, device)
         if config.quantize == "int4":
             quantize_int4(model)
-        elif device.type == "cpu" and dtype == torch.float32:
-            use_weight_left_products(model)  # MKL's faster kernels for decode-sized products
+        elif device.type == "cpu":  # each product in the order and dtype torch's CPU kernels run fastest
+            use_cpu_products(model, widen_bfloat16=not cpu_has_native_bf16())
         return cls(model, Tokenizer.from_dir(path), config)
 
     # ---- the public API --------------------------------------------------------------------

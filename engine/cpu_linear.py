@@ -1,0 +1,68 @@
+"""Linear layers on the CPU, each product in the order and dtype that torch's CPU kernels run fastest.
+
+Measured on this project's AVX2 CPU (MKL, no native bfloat16), every linear layer of the default model
+(bench/README.md has the tables):
+- float32, up to 128 rows (every decode step): W·xᵀ rather than x·Wᵀ, one row sent as two. MKL's
+  large-N GEMM then reads the weights 1.2-2.5x faster than its GEMV and small-M kernels.
+- bfloat16 on a CPU without bf16 arithmetic, over 64 rows (prefill): torch's emulated bf16 GEMM is
+  compute-bound, so the weight is widened to float32 for the product; from about 64 rows the
+  conversion costs less than it saves (4x faster at 512 rows). Fewer rows stay in bfloat16, whose
+  kernel reads half the bytes.
+Everything else is F.linear. Parameters keep nn.Linear's names, so the state dict is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_LEFT_MAX_ROWS = 128  # float32: W·xᵀ wins up to 128 rows here, x·Wᵀ from 256
+WIDEN_MIN_ROWS = 64  # bfloat16 without native support: widening to float32 wins from here
+
+
+class CpuLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, widen_bfloat16: bool):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.widen_bfloat16 = widen_bfloat16
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # (m, in)
+        m = rows.shape[0]
+        if self.weight.dtype == torch.float32:
+            out = float32_product(rows, self.weight)
+        elif self.widen_bfloat16 and self.weight.dtype == torch.bfloat16 and m >= WIDEN_MIN_ROWS:
+            out = float32_product(rows.float(), self.weight.float()).to(x.dtype)
+        else:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])  # (..., out)
+
+
+def float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows (m, in) · weightᵀ -> (m, out), contiguous, in MKL's fastest order for m."""
+    m = rows.shape[0]
+    if m > WEIGHT_LEFT_MAX_ROWS:
+        return rows @ weight.t()
+    if m == 1:
+        rows = rows.expand(2, -1).contiguous()  # (2, in): a real two-row matrix, so MKL takes GEMM, not GEMV
+    return (weight @ rows.t()).t()[:m].contiguous()  # (out, m) -> (m, out)
+
+
+def use_cpu_products(model: nn.Module, widen_bfloat16: bool) -> nn.Module:
+    """Every block projection and the LM head become CpuLinear, in place (tied weights stay tied)."""
+    for block in model.layers:
+        attention, mlp = block.self_attn, block.mlp
+        attention.qkv_proj = CpuLinear(attention.qkv_proj, widen_bfloat16)
+        attention.o_proj = CpuLinear(attention.o_proj, widen_bfloat16)
+        mlp.gate_up_proj = CpuLinear(mlp.gate_up_proj, widen_bfloat16)
+        mlp.down_proj = CpuLinear(mlp.down_proj, widen_bfloat16)
+    model.lm_head = CpuLinear(model.lm_head, widen_bfloat16)
+    return model

@@ -1,0 +1,41 @@
+"""CPU products in another order or dtype: the same numbers as nn.Linear, the same parameters and state dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.cpu_linear import CpuLinear, use_cpu_products
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 5), (3, 7), (1, 200)], ids=str)
+def test_float32_equals_linear_for_every_row_count(shape, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    x = torch.randn(*shape, 48)
+    ours = CpuLinear(linear, widen_bfloat16=True)(x)  # 200 rows: x·Wᵀ; fewer: W·xᵀ
+    assert ours.shape == (*shape, 80) and ours.is_contiguous()
+    torch.testing.assert_close(ours, linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 100])  # below and above the widening threshold
+def test_bfloat16_widened_equals_bfloat16_linear(rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    ours = CpuLinear(linear, widen_bfloat16=True)(x)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (1, rows, 96)
+    # Both accumulate in float32 and round once to bfloat16; the order of the sums may differ by an ulp.
+    torch.testing.assert_close(ours, linear(x), atol=2e-2, rtol=1e-2)
+
+
+@torch.inference_mode()
+def test_swapped_model_keeps_its_parameters(make_engine, model_dir):
+    model = make_engine(model_dir("tied")).model  # on the CPU from_pretrained already swapped the projections
+    assert isinstance(model.lm_head, CpuLinear) and isinstance(model.layers[0].mlp.down_proj, CpuLinear)
+    keys = set(model.state_dict())
+    use_cpu_products(model, widen_bfloat16=True)  # a second swap wraps the same tensors again
+    assert set(model.state_dict()) == keys
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied embeddings stay one tensor
