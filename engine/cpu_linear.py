@@ -57,12 +57,12 @@ def float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def use_cpu_products(model: nn.Module, widen_bfloat16: bool) -> nn.Module:
-    """Every block projection and the LM head become CpuLinear, in place (tied weights stay tied)."""
-    for block in model.layers:
-        attention, mlp = block.self_attn, block.mlp
-        attention.qkv_proj = CpuLinear(attention.qkv_proj, widen_bfloat16)
-        attention.o_proj = CpuLinear(attention.o_proj, widen_bfloat16)
-        mlp.gate_up_proj = CpuLinear(mlp.gate_up_proj, widen_bfloat16)
-        mlp.down_proj = CpuLinear(mlp.down_proj, widen_bfloat16)
-    model.lm_head = CpuLinear(model.lm_head, widen_bfloat16)
+    """Every dense nn.Linear of the model becomes a CpuLinear, in place; tied weights stay tied.
+
+    Idempotent, and other kinds of layers (int4) are left as they are.
+    """
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, CpuLinear(child, widen_bfloat16))
     return model

@@ -76,6 +76,8 @@ class Engine:
         model_config = model.config
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        if self.device.type == "cpu":  # each product in the order and dtype torch's CPU kernels run fastest
+            use_cpu_products(model, widen_bfloat16=not cpu_has_native_bf16())
         max_seq_len = config.max_seq_len or min(model_config.max_position_embeddings, 2048)
         if max_seq_len > model_config.max_position_embeddings:
             raise ValueError(
@@ -116,8 +118,6 @@ class Engine:
         model = build_model(model_config, state, device)
         if config.quantize == "int4":
             quantize_int4(model)
-        elif device.type == "cpu":  # each product in the order and dtype torch's CPU kernels run fastest
-            use_cpu_products(model, widen_bfloat16=not cpu_has_native_bf16())
         return cls(model, Tokenizer.from_dir(path), config)
 
     # ---- the public API --------------------------------------------------------------------
