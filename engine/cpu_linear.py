@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.device import cpu_has_native_bf16
+
 WEIGHT_LEFT_MAX_ROWS = 128  # float32: W·xᵀ wins up to 128 rows here, x·Wᵀ from 256
 WIDEN_MIN_ROWS = 64  # bfloat16 without native support: widening to float32 wins from here
 
@@ -54,6 +56,13 @@ def float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if m == 1:
         rows = rows.expand(2, -1).contiguous()  # (2, in): a real two-row matrix, so MKL takes GEMM, not GEMV
     return (weight @ rows.t()).t()[:m].contiguous()  # (out, m) -> (m, out)
+
+
+def use_fastest_products(model: nn.Module) -> nn.Module:
+    """The model as an engine runs it: on the CPU its linear layers become CpuLinear; elsewhere unchanged."""
+    if model.embed_tokens.weight.device.type == "cpu":
+        use_cpu_products(model, widen_bfloat16=not cpu_has_native_bf16())
+    return model
 
 
 def use_cpu_products(model: nn.Module, widen_bfloat16: bool) -> nn.Module:

@@ -11,8 +11,8 @@ from typing import Iterator, Sequence
 import torch
 
 from engine.batch import DecodeBatch, PrefillBatch
-from engine.cpu_linear import use_cpu_products
-from engine.device import cpu_has_native_bf16, resolve_device, resolve_dtype
+from engine.cpu_linear import use_fastest_products
+from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
 from engine.quantization import quantize_int4
@@ -76,8 +76,7 @@ class Engine:
         model_config = model.config
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        if self.device.type == "cpu":  # each product in the order and dtype torch's CPU kernels run fastest
-            use_cpu_products(model, widen_bfloat16=not cpu_has_native_bf16())
+        use_fastest_products(model)  # on the CPU: each product in the order and dtype its kernels run fastest
         max_seq_len = config.max_seq_len or min(model_config.max_position_embeddings, 2048)
         if max_seq_len > model_config.max_position_embeddings:
             raise ValueError(
