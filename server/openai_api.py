@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from typing import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -62,6 +63,11 @@ def completion_logprobs(entries: list[tuple[str, float | None, dict | None]], of
             "top_logprobs": [top for _, _, top in entries] if alternatives else None, "text_offset": starts}
 
 
+def joined(first: dict, second: dict) -> dict:
+    """Two completions logprobs blocks as one, `first`'s tokens before `second`'s."""
+    return {key: None if value is None else value + second[key] for key, value in first.items()}
+
+
 def generated_entries(events: list[TokenEvent], tokenizer: Tokenizer) -> list[tuple[str, float | None, dict | None]]:
     return [(e.text, e.logprob, {tokenizer.token_text(i): lp for i, lp in e.top_logprobs}) for e in events]
 
@@ -84,7 +90,7 @@ def chat_logprobs(events: list[TokenEvent], tokenizer: Tokenizer) -> dict:
 
 
 async def openai_stream(gen: generation.Generation, body: OpenAISampling, make_chunk, include_usage: bool,
-                        lead=None):
+                        lead: Callable[[TokenEvent], dict] | None = None):
     """SSE chunks of a generation; `lead(first_event)`, when given, is one chunk sent before the generated text."""
     trimmer = StopTrimmer(body.stops)
     pending: list[TokenEvent] = []  # tokens whose text is held back still owe their logprobs to the next chunk
@@ -159,8 +165,7 @@ def create_router() -> APIRouter:
             lead, choice = echoed(gen.events[0])["choices"][0], result["choices"][0]
             choice["text"] = lead["text"] + choice["text"]
             if want_logprobs:
-                choice["logprobs"] = {key: (value + choice["logprobs"][key]) if value is not None else None
-                                      for key, value in lead["logprobs"].items()}
+                choice["logprobs"] = joined(lead["logprobs"], choice["logprobs"])
         return JSONResponse(result | {"usage": usage(gen)})
 
     @router.post("/chat/completions")
