@@ -3,7 +3,8 @@
 Measured on this project's AVX2 CPU (MKL, no native bfloat16), every linear layer of the default model
 (bench/README.md has the tables):
 - float32, up to 128 rows (every decode step): W·xᵀ rather than x·Wᵀ, one row sent as two. MKL's
-  large-N GEMM then reads the weights 1.2-2.5x faster than its GEMV and small-M kernels.
+  large-N GEMM then reads the weights 1.2-2.5x faster than its GEMV and small-M kernels. Weights under
+  2^17 elements stay with x·Wᵀ: there the GEMM's fixed cost outweighs the faster read.
 - bfloat16 on a CPU without bf16 arithmetic, over 64 rows (prefill): torch's emulated bf16 GEMM is
   compute-bound, so the weight is widened to float32 for the product; from about 64 rows the
   conversion costs less than it saves (4x faster at 512 rows). Fewer rows stay in bfloat16, whose
@@ -20,6 +21,7 @@ from torch import nn
 from engine.device import cpu_has_native_bf16
 
 WEIGHT_LEFT_MAX_ROWS = 128  # float32: W·xᵀ wins up to 128 rows here, x·Wᵀ from 256
+WEIGHT_LEFT_MIN_ELEMENTS = 1 << 17  # and from weights of 512 x 256: at 128 x 64, one row took 38 us vs 15
 WIDEN_MIN_ROWS = 64  # bfloat16 without native support: widening to float32 wins from here
 
 
@@ -35,14 +37,13 @@ class CpuLinear(nn.Module):
         return self.weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # (m, in)
-        m = rows.shape[0]
-        if self.weight.dtype == torch.float32:
-            out = float32_product(rows, self.weight)
-        elif self.widen_bfloat16 and self.weight.dtype == torch.bfloat16 and m >= WIDEN_MIN_ROWS:
-            out = float32_product(rows.float(), self.weight.float()).to(x.dtype)
+        weight, m = self.weight, x.numel() // x.shape[-1]  # m rows of in features
+        if weight.dtype == torch.float32 and weight.numel() >= WEIGHT_LEFT_MIN_ELEMENTS:
+            out = float32_product(x.reshape(m, -1), weight)
+        elif self.widen_bfloat16 and weight.dtype == torch.bfloat16 and m >= WIDEN_MIN_ROWS:
+            out = float32_product(x.reshape(m, -1).float(), weight.float()).to(x.dtype)
         else:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, self.bias)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], out.shape[-1])  # (..., out)

@@ -13,10 +13,10 @@ from engine.cpu_linear import CpuLinear, use_cpu_products
 @pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 5), (3, 7), (1, 200)], ids=str)
 def test_float32_equals_linear_for_every_row_count(shape, bias):
     torch.manual_seed(0)
-    linear = nn.Linear(48, 80, bias=bias)
-    x = torch.randn(*shape, 48)
+    linear = nn.Linear(256, 512, bias=bias)  # 2^17 weights: large enough for W·xᵀ
+    x = torch.randn(*shape, 256)
     ours = CpuLinear(linear, widen_bfloat16=True)(x)  # 200 rows: x·Wᵀ; fewer: W·xᵀ
-    assert ours.shape == (*shape, 80) and ours.is_contiguous()
+    assert ours.shape == (*shape, 512) and ours.is_contiguous()
     torch.testing.assert_close(ours, linear(x), atol=1e-5, rtol=1e-5)
 
 
