@@ -146,6 +146,14 @@ class Engine:
         self.scheduler.enqueue(request)
         return request
 
+    def check_prompt_ids(self, prompt_ids: Sequence[int]) -> None:
+        """A prompt is at least one token id, each in the model's vocabulary."""
+        if not prompt_ids:
+            raise InvalidParameter("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParameter(f"prompt token ids must be in [0, {vocab})")
+
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """A request must fit in one slot: prompt + generated tokens <= max_seq_len."""
         if prompt_tokens + max_new_tokens > self.max_seq_len:
@@ -225,11 +233,7 @@ class Engine:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
-        if not prompt_ids:
-            raise InvalidParameter("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidParameter(f"prompt token ids must be in [0, {vocab})")
+        self.check_prompt_ids(prompt_ids)
         return prompt_ids
 
     def _forward_prompt(self, prompt_ids: list[int], slot: int) -> Iterator[torch.Tensor]:

@@ -82,12 +82,9 @@ def tokenize_prompt(runner: EngineRunner, text: str, add_special_tokens: bool = 
 
 
 def checked_token_ids(runner: EngineRunner, ids: list[int]) -> list[int]:
-    """A prompt given as token ids: each must be in the model's vocabulary."""
+    """A prompt given as token ids, checked now by the engine's own rule (the loop thread adds it later)."""
     ensure_ready(runner)
-    vocab = runner.engine.model.config.vocab_size
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise APIError(422, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", "validation")
+    validated(lambda: runner.engine.check_prompt_ids(ids))
     return ids
 
 

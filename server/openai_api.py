@@ -68,14 +68,19 @@ def joined(first: dict, second: dict) -> dict:
     return {key: None if value is None else value + second[key] for key, value in first.items()}
 
 
+def alternatives(top: tuple[tuple[int, float], ...], tokenizer: Tokenizer) -> dict[str, float]:
+    """The completions shape of a token's alternatives: {text: logprob}."""
+    return {tokenizer.token_text(i): lp for i, lp in top}
+
+
 def generated_entries(events: list[TokenEvent], tokenizer: Tokenizer) -> list[tuple[str, float | None, dict | None]]:
-    return [(e.text, e.logprob, {tokenizer.token_text(i): lp for i, lp in e.top_logprobs}) for e in events]
+    return [(e.text, e.logprob, alternatives(e.top_logprobs, tokenizer)) for e in events]
 
 
 def prompt_entries(prompt_ids: list[int], first: TokenEvent, tokenizer: Tokenizer) -> list[tuple[str, float | None, dict | None]]:
     """The echoed prompt's tokens; the first has nothing before it to be scored by."""
     texts = [tokenizer.token_text(i) for i in prompt_ids]
-    return [(texts[0], None, None)] + [(text, c.logprob, {tokenizer.token_text(i): lp for i, lp in c.top})
+    return [(texts[0], None, None)] + [(text, c.logprob, alternatives(c.top, tokenizer))
                                        for text, c in zip(texts[1:], first.prompt_logprobs or ())]
 
 
