@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server import generation, openai_api, tgi
 from server.errors import APIError, GenerationFailed, error_response
 from server.metrics import Metrics
-from weights.default_model import DEFAULT_MODEL
 from server.runner import EngineRunner
 from server.schemas import TokenizeRequest
 from server.settings import Settings
@@ -57,7 +56,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
         engine = runner.engine
         cache, config = engine.cache, engine.model.config
         return {
-            "model_id": settings.served_model_name, "model_path": str(settings.model or DEFAULT_MODEL.name),
+            "model_id": settings.served_model_name, "model_path": settings.model_spec,
             "model_type": config.model_type, "dtype": str(engine.dtype).removeprefix("torch."),
             "device": str(engine.device), "max_batch_size": cache.slots, "max_seq_len": engine.max_seq_len,
             "max_queue": runner.max_queue,

@@ -34,9 +34,14 @@ class Settings:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 
     @property
+    def model_spec(self) -> str:
+        """What --model names, the default model's short name when it is not given."""
+        return self.model or DEFAULT_MODEL.name
+
+    @property
     def served_model_name(self) -> str:
         """The id in /v1/models, OpenAI responses and /info: --model-name, else --model as given (vLLM's rule)."""
-        return self.model_name or self.model or DEFAULT_MODEL.name
+        return self.model_name or self.model_spec
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
