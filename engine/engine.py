@@ -6,7 +6,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
 from engine.quantization import quantize_int4
-from engine.request import FinishReason, Request, TokenEvent
+from engine.request import FinishReason, Request, RequestFailed, TokenEvent
 from engine.rope import RotaryTable
 from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
@@ -172,15 +172,15 @@ class Engine:
         return True
 
     @torch.inference_mode()
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> list[TokenEvent | RequestFailed]:
         """One unit of work: admit and prefill waiting requests, then one decode step for the others.
 
-        Every running request gets exactly one new token per step.
+        Every running request gets exactly one new token per step, or fails alone (RequestFailed).
         """
         decoding = self.scheduler.decoding()
         events = self._prefill(self.scheduler.admit())
         if decoding:
-            events += self._decode(decoding)
+            events += self._isolated(self._decode, decoding)
         return events
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -191,6 +191,8 @@ class Engine:
         events: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
         while any(not r.finished for r in requests):
             for event in self.step():
+                if isinstance(event, RequestFailed):
+                    raise RuntimeError(f"request {event.request_id} failed: {event.message}")
                 events[event.request_id].append(event)
         return [self._completion(r, events[r.request_id]) for r in requests]
 
@@ -244,27 +246,50 @@ class Engine:
             batch = PrefillBatch([slot], [start], [length], self.device)
             yield self.model(tokens[None, start:start + length], self.rotary, self.cache, batch)
 
-    def _prefill(self, requests: list[Request]) -> list[TokenEvent]:
+    def _isolated(self, run: Callable[[list[Request]], list[Choice]],
+                  requests: list[Request]) -> list[TokenEvent | RequestFailed]:
+        """run(requests) -> each one's next token; if it raises, each request again alone, so one
+        request's failure ends only that request.
+
+        Running a pass again is safe: it rewrites the same cache positions with the same values, and
+        tokens are appended only once the whole pass has sampled.
+        """
+        try:
+            choices = run(requests)
+        except Exception as e:
+            if len(requests) > 1:
+                return [event for r in requests for event in self._isolated(run, [r])]
+            log.exception("request %s failed", requests[0].request_id)
+            return [self._fail(requests[0], f"generation failed: {type(e).__name__}: {e}")]
+        return [self._append(r, choice) for r, choice in zip(requests, choices)]
+
+    def _fail(self, request: Request, message: str) -> RequestFailed:
+        request.finish_reason = FinishReason.ERROR
+        self.scheduler.release(request)
+        self.requests.pop(request.request_id, None)
+        return RequestFailed(request.request_id, message)
+
+    def _prefill(self, requests: list[Request]) -> list[TokenEvent | RequestFailed]:
         """Write newly admitted prompts into their slots and sample each one's first token.
 
         Prompts that fit in one chunk share forward passes, right-padded, up to `prefill_chunk_size`
         padded tokens per pass; longer prompts go alone, chunk by chunk.
         """
         chunk = self.config.prefill_chunk_size
-        events: list[TokenEvent] = []
+        events: list[TokenEvent | RequestFailed] = []
         group: list[Request] = []
         for request in sorted((r for r in requests if len(r.prompt_ids) <= chunk), key=lambda r: len(r.prompt_ids)):
             if group and (len(group) + 1) * len(request.prompt_ids) > chunk:
-                events += self._prefill_group(group)
+                events += self._isolated(self._prefill_group, group)
                 group = []
             group.append(request)
         if group:
-            events += self._prefill_group(group)
+            events += self._isolated(self._prefill_group, group)
         for request in (r for r in requests if len(r.prompt_ids) > chunk):
-            events += self._prefill_long(request)
+            events += self._isolated(self._prefill_long, [request])
         return events
 
-    def _prefill_group(self, requests: list[Request]) -> list[TokenEvent]:
+    def _prefill_group(self, requests: list[Request]) -> list[Choice]:
         lengths = [len(r.prompt_ids) for r in requests]
         batch = PrefillBatch([r.slot for r in requests], [0] * len(requests), lengths, self.device)
         tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long, device=self.device)  # right-padded
@@ -276,9 +301,10 @@ class Engine:
                 request.prompt_logprobs = self._score_prompt(hidden[row, : lengths[row] - 1], request.prompt_ids[1:],
                                                              request.params.top_logprobs)
         logits = self.model.logits(hidden[batch.last_index()])  # (n, V): each row's last real position
-        return [self._append(r, choice) for r, choice in zip(requests, select_tokens(logits, requests))]
+        return select_tokens(logits, requests)
 
-    def _prefill_long(self, request: Request) -> list[TokenEvent]:
+    def _prefill_long(self, requests: list[Request]) -> list[Choice]:
+        (request,) = requests
         params, start, scores = request.params, 0, []
         for hidden in self._forward_prompt(request.prompt_ids, request.slot):  # (1, n, hidden); the last predicts
             if params.prompt_logprobs:  # this chunk's positions score the prompt tokens that follow them
@@ -287,8 +313,7 @@ class Engine:
             start += hidden.shape[1]
         if params.prompt_logprobs:
             request.prompt_logprobs = scores
-        (choice,) = select_tokens(self.model.logits(hidden[:, -1]), [request])
-        return [self._append(request, choice)]
+        return select_tokens(self.model.logits(hidden[:, -1]), [request])
 
     def _score_prompt(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[Choice]:
         """hidden (m, hidden) of prompt positions -> the log-probability of each next prompt token in `targets`.
@@ -303,12 +328,11 @@ class Engine:
             scores += score(logits, rows, [top_n] * len(rows))
         return scores
 
-    def _decode(self, requests: list[Request]) -> list[TokenEvent]:
+    def _decode(self, requests: list[Request]) -> list[Choice]:
         batch = DecodeBatch([r.slot for r in requests], [r.cached_tokens for r in requests], self.device)
         tokens = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)  # (b, 1)
         hidden = self.model(tokens, self.rotary, self.cache, batch)  # (b, 1, hidden)
-        choices = select_tokens(self.model.logits(hidden[:, 0]), requests)
-        return [self._append(r, choice) for r, choice in zip(requests, choices)]
+        return select_tokens(self.model.logits(hidden[:, 0]), requests)
 
     def _append(self, request: Request, choice: Choice) -> TokenEvent:
         token = choice.token

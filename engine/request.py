@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     EOS = "eos"  # an end-of-sequence or stop token id
     STOP = "stop"  # a stop string appeared in the text
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # its own step failed (see RequestFailed); the other requests went on
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,14 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the most likely tokens, best first
     # On a request's first event when it asked for prompt_logprobs: prompt tokens 1.. as scored by their prefix.
     prompt_logprobs: tuple[Choice, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The end of a request whose prefill or sampling failed while the rest of its batch went on."""
+
+    request_id: str
+    message: str
 
 
 @dataclass

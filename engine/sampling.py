@@ -9,6 +9,12 @@ import torch
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+# Below this temperature sampling is greedy (vLLM's rule): dividing logits by a smaller one overflows
+# float32 to inf, and the softmax of an inf row is NaN.
+GREEDY_TEMPERATURE = 1e-5
+# Repetition penalties are applied no further from 1 than this: a logit divided by a penalty of
+# 1e-40 (0 in float32) would be inf. Beyond it every penalized token is as good as banned anyway.
+PENALTY_RANGE = (1e-4, 1e4)
 
 
 class InvalidParameter(ValueError):
@@ -18,7 +24,7 @@ class InvalidParameter(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0
     min_p: float = 0.0
@@ -57,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -74,7 +80,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     A seen token's positive logit is divided by the penalty, a negative one multiplied, so a
     penalty > 1 always makes it less likely.
     """
-    p = penalty[:, None]
+    p = penalty.clamp(*PENALTY_RANGE)[:, None]
     penalized = torch.where(logits > 0, logits / p, logits * p)
     return torch.where(seen, penalized, logits)
 
@@ -99,6 +105,7 @@ def top_p_filter(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
     drop_sorted = mass_before >= p[:, None]
+    drop_sorted[:, 0] = False  # a p that rounds to 0 in float32 (1e-300) must still keep the best token
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

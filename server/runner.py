@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from engine import Engine, SamplingParams, TokenEvent
+from engine import Engine, RequestFailed, SamplingParams, TokenEvent
 
 log = logging.getLogger("kvserve.runner")
 
@@ -186,7 +186,13 @@ class EngineRunner:
                 continue
             self._update_snapshot()
             now = time.perf_counter()
-            self._send([(e.request_id, Timed(e, now, step_started if e.index == 0 else None)) for e in events])
+            self._send([(e.request_id, self._timed(e, now, step_started)) for e in events])
+
+    @staticmethod
+    def _timed(event: TokenEvent | RequestFailed, now: float, step_started: float) -> Timed | Failure:
+        if isinstance(event, RequestFailed):  # this request alone: the rest of its batch went on
+            return Failure(event.message)
+        return Timed(event, now, step_started if event.index == 0 else None)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; wait for one if there is nothing else to do. False to stop."""

@@ -26,7 +26,7 @@ def unsupported(model: BaseModel, neutral: dict[str, tuple]) -> None:
 class TGIParameters(Strict):
     max_new_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off (vLLM clients send -1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
@@ -55,13 +55,13 @@ class TGIParameters(Strict):
 
     def sampling(self, default_max_new_tokens: int) -> SamplingParams:
         # As TGI: sampling when asked, or when any warper is set; otherwise greedy.
-        warped = (self.temperature not in (None, 1.0) or (self.top_k or 0) > 0 or (self.top_p or 1.0) < 1
+        warped = (self.temperature not in (None, 1.0) or max(self.top_k or 0, 0) > 0 or (self.top_p or 1.0) < 1
                   or (self.min_p or 0) > 0)
         sample = (self.do_sample or warped) and self.temperature != 0
         return SamplingParams(
             max_new_tokens=self.max_new_tokens or default_max_new_tokens,
             temperature=(self.temperature if self.temperature is not None else 1.0) if sample else 0.0,
-            top_k=self.top_k or 0,
+            top_k=max(self.top_k or 0, 0),
             top_p=self.top_p if self.top_p is not None else 1.0,
             min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
@@ -107,7 +107,7 @@ class OpenAISampling(BaseModel):
     user: str | None = None
     logit_bias: dict | None = None
     # Extensions, as vLLM offers them.
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off (vLLM clients send -1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
@@ -138,7 +138,7 @@ class OpenAISampling(BaseModel):
             max_new_tokens=max_tokens or default_max_tokens,
             temperature=self.temperature if self.temperature is not None else 1.0,
             top_p=self.top_p if self.top_p is not None else 1.0,
-            top_k=self.top_k or 0,
+            top_k=max(self.top_k or 0, 0),
             min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             presence_penalty=self.presence_penalty or 0.0,

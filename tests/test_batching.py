@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import FinishReason, RequestFailed, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
 PROMPTS = ["The quick brown fox jumps over", "Paris", "def add(a, b):\n    return a + b", "Once upon a time there"]
@@ -113,3 +113,22 @@ def test_batched_prefill_into_reused_slots_ignores_what_they_held(make_engine):
     assert [c.output_ids for c in reused] == [c.output_ids for c in fresh]
     for got, expected in zip(reused, fresh):
         assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
+
+def test_a_request_that_fails_ends_alone(make_engine):
+    """A poisoned embedding row (NaN) makes the prompt that uses it fail to sample; the batch goes on."""
+    engine = make_engine(max_batch_size=4)
+    poison = engine.tokenizer.encode("Berlin")[0]
+    engine.model.embed_tokens.weight[poison] = float("nan")
+    healthy = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    for _ in range(3):
+        engine.step()
+    bad = engine.add_request([poison, poison], SamplingParams(max_new_tokens=20, temperature=1.0))
+    failures = [e for e in engine.step() if isinstance(e, RequestFailed)]
+    assert [f.request_id for f in failures] == [bad.request_id]
+    assert "probability tensor" in failures[0].message
+    assert bad.finish_reason is FinishReason.ERROR and bad.request_id not in engine.requests
+    while engine.has_work:
+        assert not any(isinstance(e, RequestFailed) for e in engine.step())
+    alone = make_engine().generate(PROMPTS[:3], GREEDY)
+    assert [r.output_ids for r in healthy] == [c.output_ids for c in alone]

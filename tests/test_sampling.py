@@ -128,3 +128,30 @@ def test_prompt_too_long_names_both_numbers(make_engine):
         engine.add_request("The quick brown fox jumps over the lazy dog", SamplingParams(max_new_tokens=30))
     with pytest.raises(InvalidParameter, match="empty"):
         engine.add_request("", SamplingParams())
+
+
+class Sampled:  # what select_tokens reads of a request
+    def __init__(self, **params):
+        self.params = SamplingParams(**params)
+        self.prompt_ids, self.output_ids, self.generator = [0, 1], [2], torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("params", [
+    dict(top_p=1e-300),  # 0 in float32
+    dict(temperature=1e-40),  # inf logits in float32
+    dict(temperature=1e-6, top_k=3),
+    dict(repetition_penalty=5e-324),  # 0 in float32
+    dict(repetition_penalty=1e300),
+    dict(min_p=1.0, temperature=1e-30),
+])
+def test_every_accepted_extreme_value_samples_a_token(params):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 10
+    choices = select_tokens(logits, [Sampled(**params), Sampled(temperature=0.8), Sampled(temperature=0)])
+    assert all(0 <= c.token < 50 and math.isfinite(c.logprob) for c in choices)
+    if params.get("temperature", 1) < 1e-5 or "top_p" in params:  # greedy in effect: the most likely token
+        assert choices[0].token == logits[0].argmax().item()
+
+
+def test_temperature_below_epsilon_is_greedy():
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=1e-4).greedy

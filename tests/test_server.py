@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 
@@ -433,3 +434,43 @@ def test_non_streaming_client_that_leaves_frees_its_slot(server):
     assert after.get(key, 0) - before.get(key, 0) == 1
     finished = sum(after[k] - before.get(k, 0) for k in after if k.startswith("kvserve_requests_total"))
     assert finished == 0  # aborted, not run to its 480 tokens
+
+
+# Values that pass validation and once turned a request's probabilities into NaN, failing its whole batch.
+EXTREME_VALUES = [
+    ("/generate", {"inputs": "0", "parameters": {"top_p": 1e-300, "max_new_tokens": 4}}),
+    ("/generate", {"inputs": "0", "parameters": {"do_sample": True, "temperature": 1e-40, "max_new_tokens": 4}}),
+    ("/v1/completions", {"prompt": "0", "temperature": 1e-40, "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "0", "repetition_penalty": 5e-324, "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "0"}], "temperature": 1e-40, "top_p": 1e-300,
+                              "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "0", "top_k": -1, "max_tokens": 4}),  # vLLM clients' "off"
+    ("/generate", {"inputs": "0", "parameters": {"top_k": -1, "max_new_tokens": 4}}),
+]
+
+
+def test_extreme_sampling_values_leave_running_streams_alone(model_dir):
+    from httpx_sse import aconnect_sse
+
+    streamed = {"messages": [{"role": "user", "content": "Paris is"}], "stream": True, "max_tokens": 4000,
+                "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+            async with contextlib.AsyncExitStack() as stack:
+                sources = [await stack.enter_async_context(aconnect_sse(client, "POST", "/v1/chat/completions",
+                                                                          json=streamed)) for _ in range(3)]
+                streams = [s.aiter_sse() for s in sources]
+                for events in streams:  # every stream is running before the extreme values arrive
+                    await anext(events)
+                answers = [await client.post(path, json=body) for path, body in EXTREME_VALUES]
+                in_flight = running.runner.snapshot.running
+                endings = [[e.data async for e in events][-2:] for events in streams]
+        return answers, in_flight, endings
+
+    with serve(model_dir("long"), max_batch_size=4, max_seq_len=4096) as running:
+        answers, in_flight, endings = asyncio.run(scenario())
+    assert [a.status_code for a in answers] == [200] * len(EXTREME_VALUES), [a.text for a in answers]
+    assert in_flight == 3  # the streams were still generating when the last extreme request ended
+    for last_chunk, done in endings:
+        assert done == "[DONE]" and json.loads(last_chunk)["choices"][0]["finish_reason"] == "length"
