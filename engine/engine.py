@@ -139,7 +139,6 @@ class Engine:
             prompt_ids=prompt_ids,
             params=params,
             seed=seed,
-            generator=torch.Generator(self.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
         )
         self.requests[request_id] = request

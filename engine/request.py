@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
 
 from engine.sampler import Choice
 from engine.sampling import SamplingParams
@@ -56,8 +55,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int
-    generator: torch.Generator
+    seed: int  # with the number of tokens generated so far, all of the randomness of the next draw
     detokenizer: IncrementalDetokenizer | None
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -20,7 +20,7 @@ from engine.sampling import (
 
 class SamplingState(Protocol):
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # with len(output_ids), all the randomness of a row's next draw
     prompt_ids: list[int]
     output_ids: list[int]
 
@@ -38,8 +38,11 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState]) -> list[C
     """logits (b, V) float32 -> each row's next token, with log-probabilities under the model.
 
     Log-probabilities are the model's own (before penalties, temperature and filters), as
-    OpenAI and TGI report them.
+    OpenAI and TGI report them. A row of non-finite logits raises: the model failed on it, and
+    no token drawn from it would mean anything.
     """
+    if not torch.isfinite(logits).all():
+        raise FloatingPointError("the model produced non-finite logits")
     scores = _penalize(logits, rows) if any(r.params.has_penalties for r in rows) else logits
     tokens = scores.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -63,18 +66,20 @@ def score(logits: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[int]) -> 
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
-    b, vocab = logits.shape
     device = logits.device
-    counts = torch.zeros(b, vocab, device=device)
-    seen = torch.zeros(b, vocab, dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):
-        if r.output_ids:
-            out = torch.tensor(r.output_ids, device=device)
-            counts[i].scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
-        seen[i, torch.tensor(r.prompt_ids + r.output_ids, device=device)] = True
+    outputs = padded_ids([r.output_ids for r in rows], device)  # (b, n) output tokens, -1 after each row's end
+    counts = torch.zeros_like(logits).scatter_add_(-1, outputs.clamp(min=0), (outputs >= 0).float())
+    everything = padded_ids([r.prompt_ids + r.output_ids for r in rows], device)
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, everything.clamp(min=0), everything >= 0)
     logits = apply_repetition_penalty(logits, seen, column(rows, "repetition_penalty", device))
     return apply_additive_penalties(logits, counts, column(rows, "presence_penalty", device),
                                     column(rows, "frequency_penalty", device))
+
+
+def padded_ids(ids: Sequence[list[int]], device: torch.device) -> torch.Tensor:
+    """Token lists as one (b, longest) tensor, -1 past each list's end (at least one column)."""
+    width = max(1, max(map(len, ids)))
+    return torch.tensor([row + [-1] * (width - len(row)) for row in ids], device=device)
 
 
 def column(rows: Sequence[SamplingState], name: str, device: torch.device) -> torch.Tensor:
@@ -92,4 +97,5 @@ def _sample(scores: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor
         scores = top_p_filter(scores, column(rows, "top_p", device))
     if any(p.min_p > 0 for p in params):
         scores = min_p_filter(scores, column(rows, "min_p", device))
-    return draw(scores.softmax(dim=-1), [r.generator for r in rows])
+    seeds_and_steps = torch.tensor([[r.seed, len(r.output_ids)] for r in rows], device=device)  # (b, 2)
+    return draw(scores, seeds_and_steps[:, 0], seeds_and_steps[:, 1])

@@ -117,6 +117,37 @@ def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row, each row from its own generator, so a row's draw does not depend on its neighbours."""
-    return torch.cat([torch.multinomial(row, 1, generator=gen) for row, gen in zip(probs, generators)])
+def _signed(constant: int) -> int:
+    """A 64-bit constant as the int64 torch stores (two's complement)."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+SPLITMIX = [_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)]
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: it copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(b, V) float32 standard Gumbel noise, a pure function of each row's (seed, step) and the token id.
+
+    A counter-based generator (splitmix64 over seed, step and token id; int64 arithmetic wraps), so a
+    row draws the same noise alone or in any batch, on any device, with no generator state to carry.
+    """
+    x = seeds[:, None] * SPLITMIX[0] + steps[:, None] * SPLITMIX[1]  # (b, 1)
+    x = x + torch.arange(1, vocab + 1, device=seeds.device) * SPLITMIX[0]  # (b, V)
+    x = (x ^ _shift_right(x, 30)) * SPLITMIX[1]
+    x = (x ^ _shift_right(x, 27)) * SPLITMIX[2]
+    x = x ^ _shift_right(x, 31)
+    uniform = (_shift_right(x, 40).float() + 0.5) / (1 << 24)  # top 24 bits -> (0, 1), never 0 or 1
+    return -(-uniform.log()).log()
+
+
+def draw(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(scores) (b, V), by the Gumbel-max trick: argmax(scores + noise).
+
+    Filtered tokens (-inf) are never drawn, and no probabilities are formed, so nothing can turn NaN.
+    """
+    return (scores + gumbel_noise(seeds, steps, scores.shape[-1])).argmax(dim=-1)

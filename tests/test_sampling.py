@@ -9,7 +9,7 @@ import torch
 
 from engine import InvalidParameter, SamplingParams
 from engine.sampler import select_tokens
-from engine.sampling import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
+from engine.sampling import apply_repetition_penalty, draw, min_p_filter, top_k_filter, top_p_filter
 
 NEG_INF = float("-inf")
 
@@ -52,7 +52,7 @@ def test_top_logprobs_are_the_most_likely_tokens_per_row():
     class Row:  # what select_tokens reads of a request
         def __init__(self, top_logprobs: int):
             self.params = SamplingParams(temperature=0, top_logprobs=top_logprobs)
-            self.prompt_ids, self.output_ids, self.generator = [], [], torch.Generator()
+            self.prompt_ids, self.output_ids, self.seed = [], [], 0
 
     logits = torch.cat([probs_to_logits(0.1, 0.4, 0.2, 0.3), probs_to_logits(0.5, 0.05, 0.25, 0.2)])
     first, second = select_tokens(logits, [Row(3), Row(0)])
@@ -133,7 +133,7 @@ def test_prompt_too_long_names_both_numbers(make_engine):
 class Sampled:  # what select_tokens reads of a request
     def __init__(self, **params):
         self.params = SamplingParams(**params)
-        self.prompt_ids, self.output_ids, self.generator = [0, 1], [2], torch.Generator().manual_seed(0)
+        self.prompt_ids, self.output_ids, self.seed = [0, 1], [2], 0
 
 
 @pytest.mark.parametrize("params", [
@@ -155,3 +155,16 @@ def test_every_accepted_extreme_value_samples_a_token(params):
 def test_temperature_below_epsilon_is_greedy():
     assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=0).greedy
     assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_draw_follows_the_distribution_and_depends_only_on_seed_and_step():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    scores = probs.log().expand(4000, -1)
+    seeds, steps = torch.arange(4000), torch.full((4000,), 7)
+    tokens = draw(scores, seeds, steps)
+    frequencies = torch.bincount(tokens, minlength=4) / 4000
+    torch.testing.assert_close(frequencies, probs, atol=0.03, rtol=0)  # 4 sigma of a 4000-draw estimate
+    assert draw(scores[:5], seeds[:5], steps[:5]).tolist() == tokens[:5].tolist()  # the batch does not matter
+    assert draw(scores[:5], seeds[:5], steps[:5] + 1).tolist() != tokens[:5].tolist()
+    filtered = scores.masked_fill(torch.tensor([False, True, False, False]), float("-inf"))
+    assert (draw(filtered, seeds, steps) != 1).all()  # a filtered token is never drawn
