@@ -15,7 +15,7 @@ from engine.cpu_linear import use_fastest_products
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
-from engine.quantization import quantize_int4
+from engine.quantization import QUANTIZED, quantize
 from engine.request import FinishReason, Request, RequestFailed, TokenEvent
 from engine.rope import RotaryTable
 from engine.sampler import Choice, score, select_tokens
@@ -37,7 +37,7 @@ class EngineConfig:
     dtype: str = "auto"
     prefill_chunk_size: int = 512  # prompt tokens per forward pass; bounds prefill memory
     seed: int | None = None  # seeds the seeds of requests that bring none
-    quantize: str | None = None  # "int4": weight-only 4-bit block projections (CPU, bfloat16 activations)
+    quantize: str | None = None  # "int4" or "int8": weight-only products (CPU, bfloat16 activations)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -48,11 +48,11 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
         if isinstance(self.kv_cache_memory, str):
             parse_bytes(self.kv_cache_memory)  # fails now, with the text, rather than at start
-        if self.quantize not in (None, "int4"):
-            raise ValueError(f"quantize must be None or 'int4', got {self.quantize!r}")
-        if self.quantize == "int4" and self.dtype not in ("auto", "bfloat16"):
-            raise ValueError("quantize='int4' computes in bfloat16 (torch's float32 int4 kernel is slower than "
-                             f"dense float32); use dtype 'bfloat16' or 'auto', not {self.dtype!r}")
+        if self.quantize not in (None, *QUANTIZED):
+            raise ValueError(f"quantize must be None, {', '.join(map(repr, QUANTIZED))}, got {self.quantize!r}")
+        if self.quantize and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"quantize={self.quantize!r} computes in bfloat16 (torch's float32 weight-only kernels are "
+                             f"slower than dense float32); use dtype 'bfloat16' or 'auto', not {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -112,11 +112,11 @@ class Engine:
         device = resolve_device(config.device)
         dtype = torch.bfloat16 if config.quantize else resolve_dtype(config.dtype, device)
         if config.quantize and device.type != "cpu":
-            raise ValueError(f"quantize={config.quantize!r} uses torch's CPU int4 kernel; on {device} serve dense weights")
+            raise ValueError(f"quantize={config.quantize!r} uses torch's CPU kernels; on {device} serve dense weights")
         model_config, state = load_checkpoint(path, dtype)
         model = build_model(model_config, state, device)
-        if config.quantize == "int4":
-            quantize_int4(model)
+        if config.quantize:
+            quantize(model, config.quantize)
         return cls(model, Tokenizer.from_dir(path), config)
 
     # ---- the public API --------------------------------------------------------------------

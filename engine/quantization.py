@@ -1,9 +1,10 @@
-"""Weight-only int4 quantization of the block projections, for CPU decode.
+"""Weight-only quantization of the matrix products, for CPU decode.
 
-Each group of 32 input weights of an output row keeps 4-bit codes q in [0, 15] and its own scale
-and minimum: w ≈ scale·q + min (the layout of GGUF's Q4_1, so the default model's weights come back
-as they were stored). The matmul is torch's int4 CPU kernel, which reads a quarter of bfloat16's bytes.
-Activations stay in the model dtype; the LM head and the embedding stay dense.
+int4: each group of 32 input weights of an output row keeps 4-bit codes q in [0, 15] and its own
+scale and minimum: w ≈ scale·q + min (the layout of GGUF's Q4_1). int8: each output row keeps
+8-bit codes in [-127, 127] and one scale. The products are torch's weight-only CPU kernels, which
+read a quarter (int4) or half (int8) of bfloat16's bytes. Activations stay in bfloat16. The LM head
+is quantized too (it is the largest single product of a step); the embedding stays dense.
 """
 
 from __future__ import annotations
@@ -41,11 +42,32 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_int4(model: nn.Module) -> nn.Module:
-    """Replace every block's q/k/v, output, gate/up and down projections with Int4Linear, in place."""
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()  # (out, in)
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # (out,)
+        self.register_buffer("codes", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(linear.weight.dtype))
+        self.bias = linear.bias
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # (tokens, in): the kernel takes a matrix
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear}
+
+
+def quantize(model: nn.Module, kind: str) -> nn.Module:
+    """Replace every block's q/k/v, output, gate/up and down projections and the LM head, in place."""
+    layer = QUANTIZED[kind]
     for block in model.layers:
-        block.self_attn.qkv_proj = Int4Linear(block.self_attn.qkv_proj)
-        block.self_attn.o_proj = Int4Linear(block.self_attn.o_proj)
-        block.mlp.gate_up_proj = Int4Linear(block.mlp.gate_up_proj)
-        block.mlp.down_proj = Int4Linear(block.mlp.down_proj)
+        block.self_attn.qkv_proj = layer(block.self_attn.qkv_proj)
+        block.self_attn.o_proj = layer(block.self_attn.o_proj)
+        block.mlp.gate_up_proj = layer(block.mlp.gate_up_proj)
+        block.mlp.down_proj = layer(block.mlp.down_proj)
+    model.lm_head = layer(model.lm_head)  # a copy of its own when tied: the embedding stays dense
     return model

@@ -65,8 +65,8 @@ FLAGS = [
     ("max_body_bytes", int, "largest request body accepted; larger ones get 413"),
     ("model_name", str, "the model id reported by /v1/models and in OpenAI responses; default: --model as given"),
     ("seed", int, "seed for the seeds of requests that bring none (reproducible runs)"),
-    ("quantize", str, "'int4': 4-bit weights in the blocks, bfloat16 activations (CPU only; faster decode, "
-                      "slightly different outputs)"),
+    ("quantize", str, "'int4' or 'int8': weight-only quantized products (blocks and LM head), bfloat16 "
+                      "activations (CPU only; faster decode, slightly different outputs)"),
 ]
 
 
