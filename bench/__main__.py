@@ -9,36 +9,57 @@ from pathlib import Path
 import torch
 
 
+def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """The options every subcommand takes, before or after its name.
+
+    After the name they default to SUPPRESS, so a value given before the name is not overwritten.
+    """
+    def default(value):
+        return argparse.SUPPRESS if suppress else value
+
+    parser.add_argument("--out", type=Path, default=default(Path("bench/results")),
+                        help="folder for the tables, JSON and PNGs")
+    parser.add_argument("--quick", action="store_true", default=default(False),
+                        help="a small run that finishes in under a minute")
+    parser.add_argument("--threads", type=int, default=default(None), help="torch threads (default: torch's choice)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for the tables, JSON and PNGs")
-    parser.add_argument("--quick", action="store_true", help="a small run that finishes in under a minute")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_common(parser, suppress=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    memory = commands.add_parser("memory", help="KV cache bytes: MHA vs GQA vs MQA, formula vs allocated")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help)
+        add_common(sub, suppress=True)
+        return sub
+
+    memory = command("memory", help="KV cache bytes: MHA vs GQA vs MQA, formula vs allocated")
     memory.add_argument("--model", default=None, help="take the shape from a checkpoint folder")
     memory.add_argument("--layers", type=int, default=None)
     memory.add_argument("--heads", type=int, default=None)
     memory.add_argument("--head-dim", type=int, default=None)
     memory.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
 
-    speed = commands.add_parser("speed", help="decode and prefill speed of MHA vs GQA vs MQA (random weights)")
+    speed = command("speed", help="decode and prefill speed of MHA vs GQA vs MQA (random weights)")
     speed.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
 
-    cache = commands.add_parser("cache", help="cached incremental decode vs recomputing the prefix per token")
+    cache = command("cache", help="cached incremental decode vs recomputing the prefix per token")
     cache.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
-    decode = commands.add_parser("decode", help="kvserve vs transformers on one checkpoint")
+    decode = command("decode", help="kvserve vs transformers on one checkpoint")
     decode.add_argument("--model", default=None, help="checkpoint (default: the default model)")
     decode.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     decode.add_argument("--prompt-tokens", type=int, default=32)
     decode.add_argument("--new-tokens", type=int, default=128)
     decode.add_argument("--repeats", type=int, default=3)
-    decode.add_argument("--quantize", default=None, choices=["int4"],
-                        help="kvserve with int4 block weights (transformers stays dense, in --dtype)")
+    decode.add_argument("--gguf", type=Path, default=None,
+                        help="the GGUF llama.cpp runs beside kvserve, when llama_cpp is installed "
+                             "(default: the model folder's model.gguf, which the default model keeps)")
+    decode.add_argument("--quantize", default=None, choices=["int4", "int8"],
+                        help="kvserve with quantized weights (transformers stays dense, in --dtype)")
 
-    serve = commands.add_parser("serve", help="load on the HTTP server: TTFT, inter-token latency, throughput")
+    serve = command("serve", help="load on the HTTP server: TTFT, inter-token latency, throughput")
     serve.add_argument("--url", default=None, help="a running server (default: start one on a free port)")
     serve.add_argument("--model", default=None, help="model for the server this starts (default: the default model)")
     serve.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent streams")
@@ -47,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--requests", type=int, default=None, help="requests per level (default: 2x concurrency)")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=16)
-    serve.add_argument("--quantize", default=None, choices=["int4"], help="serve with int4 block weights")
+    serve.add_argument("--quantize", default=None, choices=["int4", "int8"], help="serve with quantized weights")
 
     args = parser.parse_args(argv)
     if args.threads:

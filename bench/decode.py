@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
+from bench import llama_cpp
 from bench.common import Timing, machine, machine_line, markdown_table, plot, timed, write_results
 from engine import Engine, EngineConfig, SamplingParams
-from engine.quantization import Int4Linear
+from engine.quantization import QUANTIZED
 from engine.cpu_linear import CpuLinear
 
 
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> dict:
             (full.median, one.median), (full.low, one.low), (full.high, one.high))), repeats)
         results[name] = {"decode_per_token": decode, "batch8": batch, "prefill": prefill}
 
+    reference = reference_run(args, path, prompts, long_prompt, new_tokens, repeats)
     capacity = context_independence(ours.model, repeats)
     floor = matmul_floor(ours.model, repeats)
     rows, payload = [], {"machine": machine(), "model": str(path), "dtype": args.dtype, "quantize": args.quantize,
@@ -66,9 +68,17 @@ def run(args: argparse.Namespace) -> dict:
         "prefill_speedup": t["prefill"].median / k["prefill"].median,
     }
     ratios["ceiling_vs_transformers"] = t["decode_per_token"].median / floor.median
-    payload["ratios"] = ratios
     rows.append(["transformers / kvserve", f"{ratios['decode_speedup']:.2f}x faster",
                  f"{ratios['batch8_speedup']:.2f}x", f"{ratios['prefill_speedup']:.2f}x faster"])
+    if reference:
+        payload["llama_cpp"] = reference
+        ratios["vs_llama_cpp_decode"] = reference["decode_per_token_s"] / k["decode_per_token"].median
+        ratios["vs_llama_cpp_prefill"] = reference["prefill_s"] / k["prefill"].median
+        rows.append([f"llama.cpp {reference['version']} ({reference['gguf']})", f"{reference['decode_per_token_s'] * 1e3:.1f}",
+                     "-", f"{reference['prefill_s'] * 1e3:.1f}"])
+        rows.append(["llama.cpp / kvserve", f"{ratios['vs_llama_cpp_decode']:.2f}x faster", "-",
+                     f"{ratios['vs_llama_cpp_prefill']:.2f}x faster"])
+    payload["ratios"] = ratios
     table = "\n".join([
         f"# kvserve vs transformers ({args.dtype}{', kvserve with ' + args.quantize + ' weights' if args.quantize else ''}, "
         f"{Path(path).name})", "", machine_line(payload["machine"]), "",
@@ -90,9 +100,21 @@ def run(args: argparse.Namespace) -> dict:
     return payload
 
 
+def reference_run(args, path: Path, prompts, long_prompt, new_tokens: int, repeats: int) -> dict | None:
+    """llama.cpp on the same weights as a GGUF, when llama_cpp is installed and the GGUF is at hand."""
+    from weights.default_model import GGUF_NAME
+
+    gguf = args.gguf or Path(path) / GGUF_NAME
+    if not llama_cpp.available() or not gguf.is_file():
+        print(f"llama.cpp column skipped: {'no GGUF at ' + str(gguf) if llama_cpp.available() else 'llama_cpp is not installed'}")
+        return None
+    result = llama_cpp.measure(gguf, prompts, long_prompt, new_tokens, torch.get_num_threads(), repeats)
+    return result | {"gguf": gguf.name}
+
+
 def projections(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every matrix product of a decode step: the blocks' projections and the LM head, whatever their kind."""
-    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, CpuLinear, Int4Linear))]
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, CpuLinear, *QUANTIZED.values()))]
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

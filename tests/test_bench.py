@@ -58,3 +58,11 @@ def test_serve_load_agrees_with_the_servers_metrics(tmp_path, model_dir):
     assert payload["server_view"]["kvserve_generation_tokens_total"] == payload["client_tokens"]
     assert payload["server_view"]["requests"] == payload["client_requests"]
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_common_options_work_after_the_subcommand(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "bench", "memory", "--quick", "--out", str(tmp_path / "after"),
+                             "--layers", "2", "--heads", "4", "--head-dim", "16"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "after" / "memory.json").is_file()

