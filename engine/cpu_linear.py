@@ -1,7 +1,7 @@
 """Linear layers on the CPU, each product in the order and dtype that torch's CPU kernels run fastest.
 
-Measured on this project's AVX2 CPU (MKL, no native bfloat16), every linear layer of the default model
-(bench/README.md has the tables):
+Measured on an AVX2-only CPU (MKL, no native bfloat16), every linear layer of the default model
+(bench/README.md has the tables per machine):
 - float32, up to 128 rows (every decode step): W·xᵀ rather than x·Wᵀ, one row sent as two. MKL's
   large-N GEMM then reads the weights 1.2-2.5x faster than its GEMV and small-M kernels. Weights under
   2^17 elements stay with x·Wᵀ: there the GEMM's fixed cost outweighs the faster read.
