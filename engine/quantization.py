@@ -3,8 +3,8 @@
 int4: each group of 32 input weights of an output row keeps 4-bit codes q in [0, 15] and its own
 scale and minimum: w ≈ scale·q + min (the layout of GGUF's Q4_1). int8: each output row keeps
 8-bit codes in [-127, 127] and one scale. The products are torch's weight-only CPU kernels, which
-read a quarter (int4) or half (int8) of bfloat16's bytes. Activations stay in bfloat16. The LM head
-is quantized too (it is the largest single product of a step); the embedding stays dense.
+read a quarter (int4) or half (int8) of bfloat16's bytes. Activations stay in bfloat16. The LM head,
+the largest single product of a step, is quantized too, always to int8; the embedding stays dense.
 """
 
 from __future__ import annotations
@@ -69,5 +69,7 @@ def quantize(model: nn.Module, kind: str) -> nn.Module:
         block.self_attn.o_proj = layer(block.self_attn.o_proj)
         block.mlp.gate_up_proj = layer(block.mlp.gate_up_proj)
         block.mlp.down_proj = layer(block.mlp.down_proj)
-    model.lm_head = layer(model.lm_head)  # a copy of its own when tied: the embedding stays dense
+    # int8 whatever `kind`: the LM head picks the token, and 4-bit logits flip greedy answers (the default
+    # model's GGUF itself stores this matrix in 8 bits, Q8_0). A copy of its own when tied; the embedding stays dense.
+    model.lm_head = Int8Linear(model.lm_head)
     return model

@@ -46,7 +46,7 @@ def test_quantized_engine_stays_close_to_dense(tiny_dir, kind, layer):
     dense = Engine.from_pretrained(tiny_dir, EngineConfig(dtype="bfloat16", **settings))
     int4 = Engine.from_pretrained(tiny_dir, EngineConfig(quantize=kind, **settings))
     assert int4.dtype == torch.bfloat16
-    assert isinstance(int4.model.layers[0].mlp.down_proj, layer) and isinstance(int4.model.lm_head, layer)
+    assert isinstance(int4.model.layers[0].mlp.down_proj, layer) and isinstance(int4.model.lm_head, Int8Linear)
     ids = int4.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     a, b = dense.prompt_logits(ids), int4.prompt_logits(ids)
     # 4-bit weights move logits a little; the distribution over next tokens stays nearly the same.
