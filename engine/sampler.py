@@ -70,7 +70,8 @@ def _penalize(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tens
     outputs = padded_ids([r.output_ids for r in rows], device)  # (b, n) output tokens, -1 after each row's end
     counts = torch.zeros_like(logits).scatter_add_(-1, outputs.clamp(min=0), (outputs >= 0).float())
     everything = padded_ids([r.prompt_ids + r.output_ids for r in rows], device)
-    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, everything.clamp(min=0), everything >= 0)
+    # Added, not assigned: a padding entry (clamped to id 0) adds 0 instead of overwriting a real token 0.
+    seen = torch.zeros_like(logits).scatter_add_(-1, everything.clamp(min=0), (everything >= 0).float()) > 0
     logits = apply_repetition_penalty(logits, seen, column(rows, "repetition_penalty", device))
     return apply_additive_penalties(logits, counts, column(rows, "presence_penalty", device),
                                     column(rows, "frequency_penalty", device))

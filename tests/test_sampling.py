@@ -168,3 +168,15 @@ def test_draw_follows_the_distribution_and_depends_only_on_seed_and_step():
     assert draw(scores[:5], seeds[:5], steps[:5] + 1).tolist() != tokens[:5].tolist()
     filtered = scores.masked_fill(torch.tensor([False, True, False, False]), float("-inf"))
     assert (draw(filtered, seeds, steps) != 1).all()  # a filtered token is never drawn
+
+
+def test_repetition_penalty_sees_token_zero_beside_padding():
+    logits = torch.full((2, 5), 2.0)
+    long_row, short_row = Sampled(repetition_penalty=2.0), Sampled(repetition_penalty=2.0)
+    long_row.prompt_ids, long_row.output_ids = [1, 2, 3, 4], [1]
+    short_row.prompt_ids, short_row.output_ids = [0], []  # padded to the long row's width: token 0 must stay seen
+    from engine.sampler import _penalize
+
+    penalized = _penalize(logits, [long_row, short_row])
+    assert penalized[1].tolist() == [1.0, 2.0, 2.0, 2.0, 2.0]
+    assert penalized[0].tolist() == [2.0, 1.0, 1.0, 1.0, 1.0]
