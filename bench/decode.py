@@ -10,7 +10,7 @@ import torch
 from bench import llama_cpp
 from bench.common import Timing, machine, machine_line, markdown_table, plot, timed, write_results
 from engine import Engine, EngineConfig, SamplingParams
-from engine.quantization import QUANTIZED
+from engine.quantization import WeightOnlyLinear
 from engine.cpu_linear import CpuLinear
 
 
@@ -108,13 +108,13 @@ def reference_run(args, path: Path, prompts, long_prompt, new_tokens: int, repea
     if not llama_cpp.available() or not gguf.is_file():
         print(f"llama.cpp column skipped: {'no GGUF at ' + str(gguf) if llama_cpp.available() else 'llama_cpp is not installed'}")
         return None
-    result = llama_cpp.measure(gguf, prompts, long_prompt, new_tokens, torch.get_num_threads(), repeats)
+    result = llama_cpp.measure(gguf, prompts[0], long_prompt, new_tokens, torch.get_num_threads(), repeats)
     return result | {"gguf": gguf.name}
 
 
 def projections(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every matrix product of a decode step: the blocks' projections and the LM head, whatever their kind."""
-    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, CpuLinear, *QUANTIZED.values()))]
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, CpuLinear, WeightOnlyLinear))]
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

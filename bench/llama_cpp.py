@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -19,20 +20,16 @@ def available() -> bool:
     return find_spec("llama_cpp") is not None
 
 
-def measure(gguf: Path, prompts: list[list[int]], long_prompt: list[int], new_tokens: int, threads: int,
+def measure(gguf: Path, prompt: list[int], long_prompt: list[int], new_tokens: int, threads: int,
             repeats: int) -> dict:
     """Runs this module on `gguf` in a subprocess: per-token decode seconds and prefill seconds, as medians."""
-    request = {"prompt": prompts[0], "long_prompt": long_prompt, "new_tokens": new_tokens, "threads": threads,
+    request = {"prompt": prompt, "long_prompt": long_prompt, "new_tokens": new_tokens, "threads": threads,
                "repeats": repeats}
     result = subprocess.run([sys.executable, "-m", "bench.llama_cpp", str(gguf)], input=json.dumps(request),
                             capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"llama.cpp run failed: {result.stderr.strip()[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def main() -> None:
@@ -59,7 +56,7 @@ def main() -> None:
     generate(request["prompt"], 4)  # warm-up
     decode = [generate(request["prompt"], request["new_tokens"])[1] for _ in range(request["repeats"])]
     prefill = [generate(request["long_prompt"], 0)[0] for _ in range(request["repeats"])]
-    print(json.dumps({"decode_per_token_s": median(decode), "prefill_s": median(prefill),
+    print(json.dumps({"decode_per_token_s": statistics.median(decode), "prefill_s": statistics.median(prefill),
                       "version": __import__("llama_cpp").__version__}))
 
 

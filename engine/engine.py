@@ -163,11 +163,10 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its slot is free for the next step. False if it had already finished."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None or request.finished:
             return False
-        request.finish_reason = FinishReason.ABORT
-        self.scheduler.release(request)
+        self._finish(request, FinishReason.ABORT)
         return True
 
     @torch.inference_mode()
@@ -263,10 +262,14 @@ class Engine:
         return [self._append(r, choice) for r, choice in zip(requests, choices)]
 
     def _fail(self, request: Request, message: str) -> RequestFailed:
-        request.finish_reason = FinishReason.ERROR
+        self._finish(request, FinishReason.ERROR)
+        return RequestFailed(request.request_id, message)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """The request ends: its slot (or queue place) is free for the next step."""
+        request.finish_reason = reason
         self.scheduler.release(request)
         self.requests.pop(request.request_id, None)
-        return RequestFailed(request.request_id, message)
 
     def _prefill(self, requests: list[Request]) -> list[TokenEvent | RequestFailed]:
         """Write newly admitted prompts into their slots and sample each one's first token.
@@ -341,9 +344,7 @@ class Engine:
         if reason is not None:
             if request.detokenizer:
                 text += request.detokenizer.flush()
-            request.finish_reason = reason
-            self.scheduler.release(request)
-            self.requests.pop(request.request_id, None)
+            self._finish(request, reason)
         special = self.tokenizer is not None and token in self.tokenizer.special_ids
         first = len(request.output_ids) == 1
         prompt_logprobs = tuple(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None

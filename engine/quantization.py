@@ -16,7 +16,23 @@ GROUP_SIZE = 32
 LEVELS = 15  # 4 bits: codes 0..15
 
 
-class Int4Linear(nn.Module):
+class WeightOnlyLinear(nn.Module):
+    """A linear layer whose weight is stored quantized; subclasses hold the codes and run one kernel."""
+
+    bias: torch.Tensor | None
+    out_features: int
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (tokens, in) -> (tokens, out), without the bias."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x.reshape(-1, x.shape[-1]))  # (tokens, in): the kernels take a matrix
+        y = y.reshape(*x.shape[:-1], self.out_features)  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(WeightOnlyLinear):
     def __init__(self, linear: nn.Linear, group_size: int = GROUP_SIZE):
         super().__init__()
         out_features, in_features = linear.weight.shape
@@ -35,14 +51,11 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.in_features, self.out_features = in_features, out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # (tokens, in): the kernel takes a matrix
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
-        y = y.reshape(*x.shape[:-1], self.out_features)  # (..., out)
-        return y if self.bias is None else y + self.bias
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(WeightOnlyLinear):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()  # (out, in)
@@ -52,10 +65,8 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # (tokens, in): the kernel takes a matrix
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
 
 
 QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-
 from engine.sampler import Choice
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer

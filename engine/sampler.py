@@ -67,20 +67,19 @@ def score(logits: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[int]) -> 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
     device = logits.device
-    outputs = padded_ids([r.output_ids for r in rows], device)  # (b, n) output tokens, -1 after each row's end
-    counts = torch.zeros_like(logits).scatter_add_(-1, outputs.clamp(min=0), (outputs >= 0).float())
-    everything = padded_ids([r.prompt_ids + r.output_ids for r in rows], device)
-    # Added, not assigned: a padding entry (clamped to id 0) adds 0 instead of overwriting a real token 0.
-    seen = torch.zeros_like(logits).scatter_add_(-1, everything.clamp(min=0), (everything >= 0).float()) > 0
+    counts = token_counts(logits, [r.output_ids for r in rows])
+    seen = (counts + token_counts(logits, [r.prompt_ids for r in rows])) > 0  # in the prompt or the output
     logits = apply_repetition_penalty(logits, seen, column(rows, "repetition_penalty", device))
     return apply_additive_penalties(logits, counts, column(rows, "presence_penalty", device),
                                     column(rows, "frequency_penalty", device))
 
 
-def padded_ids(ids: Sequence[list[int]], device: torch.device) -> torch.Tensor:
-    """Token lists as one (b, longest) tensor, -1 past each list's end (at least one column)."""
+def token_counts(like: torch.Tensor, ids: Sequence[list[int]]) -> torch.Tensor:
+    """(b, V) float32: how often each token id occurs in each row's list, from one padded tensor."""
     width = max(1, max(map(len, ids)))
-    return torch.tensor([row + [-1] * (width - len(row)) for row in ids], device=device)
+    padded = torch.tensor([row + [-1] * (width - len(row)) for row in ids], device=like.device)  # -1 past the end
+    # Added, not assigned: a padding entry (clamped to id 0) adds 0 and cannot hide a real token 0.
+    return torch.zeros_like(like, dtype=torch.float32).scatter_add_(-1, padded.clamp(min=0), (padded >= 0).float())
 
 
 def column(rows: Sequence[SamplingState], name: str, device: torch.device) -> torch.Tensor:
