@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     decode.add_argument("--prompt-tokens", type=int, default=32)
     decode.add_argument("--new-tokens", type=int, default=128)
     decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--compile", action="store_true",
+                        help="compile kvserve's decode step first (reports the compile time)")
     decode.add_argument("--gguf", type=Path, default=None,
                         help="the GGUF llama.cpp runs beside kvserve, when llama_cpp is installed "
                              "(default: the model folder's model.gguf, which the default model keeps)")
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=16)
     serve.add_argument("--quantize", default=None, choices=["int4", "int8"], help="serve with quantized weights")
+    serve.add_argument("--compile", default="off", choices=["auto", "on", "off"],
+                       help="the server's --compile; with auto or on, timings start once its compile thread is done")
 
     args = parser.parse_args(argv)
     if args.threads:

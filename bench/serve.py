@@ -44,15 +44,19 @@ def local_server(args: argparse.Namespace):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "server", "--port", str(port), "--dtype", args.dtype,
-               "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024", "--max-seq-len", "1024"]
+               "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024", "--max-seq-len", "1024",
+               "--compile", args.compile]
     if args.model:
         command += ["--model", args.model]
     if args.quantize:
         command += ["--quantize", args.quantize]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
-        for line in process.stdout:  # the log line that says the model is loaded
-            if "ready:" in line:
+        # The log lines that say the model is loaded and, when compiling, that the compile thread is done:
+        # timings start on the server as it will run from then on.
+        done = ("compiled decode step for batches", "decode stays eager", "compiling the decode step failed")
+        for line in process.stdout:
+            if "ready:" in line and args.compile == "off" or any(marker in line for marker in done):
                 break
             if "failed to load" in line or process.poll() is not None:
                 raise RuntimeError(f"the server did not start: {line.strip()}")

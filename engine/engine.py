@@ -10,9 +10,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from engine.batch import DecodeBatch, PrefillBatch
+from engine.batch import PrefillBatch
 from engine.cpu_linear import use_fastest_products
 from engine.device import resolve_device, resolve_dtype
+from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
 from engine.quantization import QUANTIZED, quantize
@@ -38,6 +39,7 @@ class EngineConfig:
     prefill_chunk_size: int = 512  # prompt tokens per forward pass; bounds prefill memory
     seed: int | None = None  # seeds the seeds of requests that bring none
     quantize: str | None = None  # "int4" or "int8": weight-only products (CPU, bfloat16 activations)
+    compile: str = "off"  # "auto"/"on": Engine.compile() builds compiled decode graphs where they can run
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -48,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
         if isinstance(self.kv_cache_memory, str):
             parse_bytes(self.kv_cache_memory)  # fails now, with the text, rather than at start
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.quantize not in (None, *QUANTIZED):
             raise ValueError(f"quantize must be None, {', '.join(map(repr, QUANTIZED))}, got {self.quantize!r}")
         if self.quantize and self.dtype not in ("auto", "bfloat16"):
@@ -87,6 +91,7 @@ class Engine:
         self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype)
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
         self.scheduler = Scheduler(slots)
+        self.executor = DecodeExecutor(model, self.rotary, self.cache)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed if config.seed is not None else torch.seed())
@@ -144,6 +149,18 @@ class Engine:
         self.requests[request_id] = request
         self.scheduler.enqueue(request)
         return request
+
+    def compile(self) -> bool:
+        """Compile the decode step (blocking: seconds to minutes) unless the config says off or this
+        machine cannot; decoding goes on eagerly meanwhile if another thread steps. True if compiled."""
+        if self.config.compile == "off":
+            return False
+        reason = compile_unsupported(self.device)
+        if reason:
+            log.info("decode stays eager: %s", reason)
+            return False
+        self.executor.compile()
+        return True
 
     def check_prompt_ids(self, prompt_ids: Sequence[int]) -> None:
         """A prompt is at least one token id, each in the model's vocabulary."""
@@ -219,6 +236,11 @@ class Engine:
     @property
     def cache_used_bytes(self) -> int:
         return self.cache.used_bytes(sum(r.cached_tokens for r in self.scheduler.running.values()))
+
+    @property
+    def compiled_graphs(self) -> tuple[str, ...]:
+        """Decode batch buckets ("one", "many") that run as compiled graphs; the rest run eagerly."""
+        return tuple(self.executor.graphs)
 
     @property
     def has_work(self) -> bool:
@@ -331,10 +353,9 @@ class Engine:
         return scores
 
     def _decode(self, requests: list[Request]) -> list[Choice]:
-        batch = DecodeBatch([r.slot for r in requests], [r.cached_tokens for r in requests], self.device)
-        tokens = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)  # (b, 1)
-        hidden = self.model(tokens, self.rotary, self.cache, batch)  # (b, 1, hidden)
-        return select_tokens(self.model.logits(hidden[:, 0]), requests)
+        logits = self.executor.forward([r.output_ids[-1] for r in requests], [r.slot for r in requests],
+                                       [r.cached_tokens for r in requests])  # (b, V)
+        return select_tokens(logits, requests)
 
     def _append(self, request: Request, choice: Choice) -> TokenEvent:
         token = choice.token

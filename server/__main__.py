@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -59,6 +60,10 @@ def build(settings: Settings) -> Server:
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse(argv)
+    from weights.default_model import kvserve_home
+
+    # Inductor's generated code survives restarts under KVSERVE_HOME (a compile takes minutes on 2 cores).
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kvserve_home() / "compiled"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = build(settings)
     server.run()

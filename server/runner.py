@@ -1,7 +1,9 @@
 """Runs the engine's step loop on a thread of its own and streams its events to asyncio tasks.
 
-Only the loop thread touches the engine. Requests and aborts reach it through a queue; its
-events come back to the event loop with `call_soon_threadsafe`, one batch per step.
+Only the loop thread steps the engine. Requests and aborts reach it through a queue; its
+events come back to the event loop with `call_soon_threadsafe`, one batch per step. The one
+other thread is the compiler's: `Engine.compile` builds decode graphs on a scratch cache and
+hands each over when ready, while the loop thread goes on decoding eagerly.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class EngineRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._compiled = threading.Event()  # the compile thread is done (compiled, not possible, or failed)
         self._changed = threading.Condition()  # notified whenever the snapshot changes
 
     # ---- lifecycle (event loop side) ----------------------------------------------------------
@@ -125,6 +128,10 @@ class EngineRunner:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the compile thread has finished, whatever its outcome."""
+        return self._compiled.wait(timeout)
 
     def wait_for(self, predicate: Callable[[Snapshot], bool], timeout: float | None = None) -> bool:
         """Block until the loop thread publishes a snapshot that satisfies `predicate`."""
@@ -176,6 +183,7 @@ class EngineRunner:
         self._update_snapshot()
         self._ready.set()
         log.info("ready: %d slots x %d tokens", self.engine.cache.slots, self.engine.max_seq_len)
+        threading.Thread(target=self._compile, name="kvserve-compile", daemon=True).start()
         while self._drain_commands(block=not self.engine.has_work):
             step_started = time.perf_counter()
             try:
@@ -193,6 +201,14 @@ class EngineRunner:
         if isinstance(event, RequestFailed):  # this request alone: the rest of its batch went on
             return Failure(event.message)
         return Timed(event, now, step_started if event.index == 0 else None)
+
+    def _compile(self) -> None:
+        try:
+            self.engine.compile()
+        except Exception:  # serving goes on eagerly; a compiler failure is a log line, not an outage
+            log.error("compiling the decode step failed; decoding stays eager:\n%s", traceback.format_exc())
+        finally:
+            self._compiled.set()
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; wait for one if there is nothing else to do. False to stop."""

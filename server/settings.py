@@ -26,6 +26,7 @@ class Settings:
     model_name: str | None = None  # None: see served_model_name
     seed: int | None = None
     quantize: str | None = None
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -46,7 +47,7 @@ class Settings:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                             kv_cache_memory=self.kv_cache_memory, device=self.device, dtype=self.dtype, seed=self.seed,
-                            quantize=self.quantize)
+                            quantize=self.quantize, compile=self.compile)
 
 
 FLAGS = [
@@ -67,6 +68,8 @@ FLAGS = [
     ("seed", int, "seed for the seeds of requests that bring none (reproducible runs)"),
     ("quantize", str, "'int4' or 'int8': weight-only quantized products (blocks and LM head), bfloat16 "
                       "activations (CPU only; faster decode, slightly different outputs)"),
+    ("compile", str, "auto, on or off: compile the decode step with torch.compile in the background while serving "
+                     "eagerly (auto and on: where it can run, the CPU with a C++ compiler; code cached on disk)"),
 ]
 
 

@@ -33,7 +33,7 @@ def serve(model: Path, load=None, wait: bool = True, **settings):
     sock.listen(64)
     port = sock.getsockname()[1]
     options = dict(model=str(model), port=port, device="cpu", dtype="float32", max_batch_size=4, max_seq_len=512,
-                   seed=0) | settings
+                   seed=0, compile="off") | settings
     config = Settings(**options)
     runner = EngineRunner(load or (lambda: Engine.from_pretrained(model, config.engine_config())),
                           max_queue=config.max_queue)

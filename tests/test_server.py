@@ -474,3 +474,27 @@ def test_extreme_sampling_values_leave_running_streams_alone(model_dir):
     assert in_flight == 3  # the streams were still generating when the last extreme request ended
     for last_chunk, done in endings:
         assert done == "[DONE]" and json.loads(last_chunk)["choices"][0]["finish_reason"] == "length"
+
+
+def test_compiled_decode_serves_the_same_tokens(model_dir, offline):
+    with serve(model_dir("long"), compile="on") as running:
+        assert running.runner.wait_compiled(600)
+        with httpx.Client(base_url=running.url, timeout=60) as client:
+            assert client.get("/info").json()["compiled_decode"] == ["one", "many"]
+            alone = client.post("/generate", json={"inputs": PROMPTS[0], "parameters": {
+                "max_new_tokens": 12, "details": True}}).json()
+
+        async def one(client: httpx.AsyncClient, prompt: str) -> list[int]:
+            from httpx_sse import aconnect_sse
+
+            async with aconnect_sse(client, "POST", "/generate", json={
+                    "inputs": prompt, "stream": True, "parameters": {"max_new_tokens": 12}}) as source:
+                return [json.loads(e.data)["token"]["id"] async for e in source.aiter_sse()]
+
+        async def four_at_once():
+            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+                return await asyncio.gather(*(one(client, p) for p in PROMPTS[:4]))
+
+        together = asyncio.run(four_at_once())
+    assert [t["id"] for t in alone["details"]["tokens"]] == greedy_alone(offline, PROMPTS[0], 12)
+    assert together == [greedy_alone(offline, p, 12) for p in PROMPTS[:4]]

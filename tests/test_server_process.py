@@ -14,7 +14,8 @@ from tests.server_harness import free_port, start_subprocess
 
 def test_cli_serves_then_exits_zero_on_sigterm_mid_stream(model_dir):
     port = free_port()
-    env = dict(os.environ, KVSERVE_MAX_BATCH_SIZE="2", KVSERVE_DTYPE="float32")  # settings from the environment
+    env = dict(os.environ, KVSERVE_MAX_BATCH_SIZE="2", KVSERVE_DTYPE="float32",
+               KVSERVE_COMPILE="off")  # settings from the environment
     process, lines = start_subprocess("--model", str(model_dir("long")), "--port", str(port), "--device", "cpu",
                                       "--max-seq-len", "4096", env=env)
     try:

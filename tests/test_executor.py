@@ -1,0 +1,68 @@
+"""The compiled decode step: the same greedy tokens as eager, no recompiles, and eager where it cannot run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from engine import SamplingParams
+from engine import executor as executor_module
+
+PROMPTS = ["The quick brown fox jumps over", "Paris", "def add(a, b):\n    return a + b", "Once upon a time there"]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(tiny_dir):
+    from engine import Engine, EngineConfig
+
+    engine = Engine.from_pretrained(tiny_dir, EngineConfig(device="cpu", dtype="float32", max_batch_size=4,
+                                                           max_seq_len=64, seed=0, compile="on"))
+    assert engine.compile() and engine.compiled_graphs == ("one", "many")
+    return engine
+
+
+def test_compiled_greedy_tokens_equal_eager(compiled_engine, make_engine):
+    eager = make_engine(max_batch_size=4, max_seq_len=64)
+    frames = counters["frames"]["total"]
+    # A batch that shrinks as requests finish, then one request that fills its slot to the last position.
+    lengths = [40, 12, 25, 33]
+    together = compiled_engine.generate(PROMPTS, [greedy(n) for n in lengths])
+    assert [c.output_ids for c in together] == [c.output_ids for c in eager.generate(PROMPTS, [greedy(n) for n in lengths])]
+    room = 64 - len(compiled_engine.tokenizer.encode(PROMPTS[1]))
+    (alone,) = compiled_engine.generate([PROMPTS[1]], greedy(room))
+    assert alone.output_ids == eager.generate([PROMPTS[1]], greedy(room))[0].output_ids
+    assert len(alone.output_ids) == room
+    assert counters["frames"]["total"] == frames  # every step ran on the two graphs compiled up front
+
+
+def test_compiled_logits_match_eager(compiled_engine, make_engine):
+    eager = make_engine(max_batch_size=4, max_seq_len=64)
+    ids = compiled_engine.tokenizer.encode("The quick brown fox")
+    with torch.inference_mode():
+        for engine in (compiled_engine, eager):
+            engine.prompt_logits(ids)  # writes the prompt into slot 0
+        got = compiled_engine.executor.forward([5, 5], [0, 1], [len(ids), 0])
+        want = eager.executor.forward([5, 5], [0, 1], [len(ids), 0])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_without_a_compiler_decode_stays_eager(make_engine, monkeypatch, caplog):
+    monkeypatch.setattr(executor_module.shutil, "which", lambda name: None)  # the fault: no C++ compiler
+    engine = make_engine(compile="auto")
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        assert engine.compile() is False
+    assert "decode stays eager: no C++ compiler" in caplog.text
+    assert engine.compiled_graphs == ()
+    assert len(engine.generate(PROMPTS[:2], greedy(5))[0].output_ids) == 5
+
+
+def test_compile_off_compiles_nothing(make_engine):
+    engine = make_engine(compile="off")
+    assert engine.compile() is False and engine.compiled_graphs == ()
