@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 import uvicorn
@@ -22,6 +23,7 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, runner: EngineRunner):
         super().__init__(config)
         self.runner = runner
+        self.children: list[subprocess.Popen] = []  # a compile-cache warmer, ended with the server
 
     def handle_exit(self, sig, frame) -> None:
         # Open streams end now with an error event, rather than hold the shutdown until they finish.
@@ -39,7 +41,7 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def build(settings: Settings) -> Server:
+def build(settings: Settings, argv: list[str] | None = None) -> Server:
     def load() -> Engine:
         from weights.resolve import resolve_model
 
@@ -51,7 +53,18 @@ def build(settings: Settings) -> Server:
             server.should_exit = True  # a server without a model serves nobody: stop, and exit 1
             raise
 
-    runner = EngineRunner(load, max_queue=settings.max_queue)
+    def warm_compile_cache() -> None:
+        # A child process with the same flags and environment compiles first: see server/compile_cache.py.
+        argv_given = sys.argv[1:] if argv is None else argv
+        child = subprocess.Popen([sys.executable, "-m", "server.compile_cache", *argv_given],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        server.children.append(child)
+        _, errors = child.communicate()
+        if child.returncode != 0:
+            logging.getLogger("kvserve").warning("compiling in a child process failed (compiling in-process "
+                                                 "instead): %s", errors.strip()[-2000:])
+
+    runner = EngineRunner(load, max_queue=settings.max_queue, warm_compile_cache=warm_compile_cache)
     app = create_app(runner, settings)  # the model loads in the background: /health answers 503 until ready
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=10)
     server = Server(config, runner)
@@ -65,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     # Inductor's generated code survives restarts under KVSERVE_HOME (a compile takes minutes on 2 cores).
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kvserve_home() / "compiled"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = build(settings)
+    server = build(settings, argv)
     server.run()
+    for child in server.children:
+        child.kill()
     return 1 if server.runner.load_error else 0
 
 

@@ -84,8 +84,10 @@ class Stream:
 
 
 class EngineRunner:
-    def __init__(self, load: Callable[[], Engine], max_queue: int = 64):
+    def __init__(self, load: Callable[[], Engine], max_queue: int = 64,
+                 warm_compile_cache: Callable[[], None] | None = None):
         self._load = load
+        self._warm_compile_cache = warm_compile_cache  # runs before the compile thread compiles in-process
         self.max_queue = max_queue
         self.engine: Engine | None = None
         self.load_error: str | None = None
@@ -204,6 +206,8 @@ class EngineRunner:
 
     def _compile(self) -> None:
         try:
+            if self._warm_compile_cache and self.engine.config.compile != "off":
+                self._warm_compile_cache()
             self.engine.compile()
         except Exception:  # serving goes on eagerly; a compiler failure is a log line, not an outage
             log.error("compiling the decode step failed; decoding stays eager:\n%s", traceback.format_exc())

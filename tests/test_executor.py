@@ -66,3 +66,18 @@ def test_without_a_compiler_decode_stays_eager(make_engine, monkeypatch, caplog)
 def test_compile_off_compiles_nothing(make_engine):
     engine = make_engine(compile="off")
     assert engine.compile() is False and engine.compiled_graphs == ()
+
+
+def test_compile_cache_child_fills_inductors_disk_cache(model_dir, tmp_path):
+    """What the server runs before compiling in-process: the same flags, a child process, code left on disk."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "compiled"))
+    result = subprocess.run([sys.executable, "-m", "server.compile_cache", "--model", str(model_dir("gqa")),
+                             "--device", "cpu", "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "64",
+                             "--compile", "on"], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled decode step for batches of 2 or more" in result.stderr
+    assert any((tmp_path / "compiled").rglob("*.py"))  # inductor's generated code, for the server to find
