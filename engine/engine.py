@@ -150,12 +150,17 @@ class Engine:
         self.scheduler.enqueue(request)
         return request
 
-    def compile(self) -> bool:
-        """Compile the decode step (blocking: seconds to minutes) unless the config says off or this
-        machine cannot; decoding goes on eagerly meanwhile if another thread steps. True if compiled."""
+    @property
+    def compile_blocker(self) -> str | None:
+        """Why Engine.compile would not compile (the config says off, or this machine cannot), else None."""
         if self.config.compile == "off":
-            return False
-        reason = compile_unsupported(self.device)
+            return "compile is off"
+        return compile_unsupported(self.device)
+
+    def compile(self) -> bool:
+        """Compile the decode step (blocking: seconds to minutes) unless something blocks it; decoding
+        goes on eagerly meanwhile if another thread steps. True if compiled."""
+        reason = self.compile_blocker
         if reason:
             log.info("decode stays eager: %s", reason)
             return False
