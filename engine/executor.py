@@ -84,11 +84,11 @@ class GraphDecodeBatch:
         return self._write(keys, k), self._write(values, v)
 
     def _write(self, entries: LayerEntries, new: torch.Tensor) -> torch.Tensor:
-        data = entries.data
-        heads = torch.arange(data.shape[3], device=data.device)
+        """Store one step's K or V of every row, then read each row's slot up to kv_len."""
+        data, rows = entries.data, self.slot_index[:, None]  # rows (b, 1)
+        heads = torch.arange(data.shape[3], device=data.device)[None, :]  # (1, h_kv)
         # Every index a tensor, broadcast to (b, h_kv): one index_put_ on the cache tensor itself.
-        index = (torch.full_like(self.slot_index, entries.kind)[:, None], torch.full_like(self.slot_index, entries.layer)[:, None],
-                 self.slot_index[:, None], heads[None, :], self.positions)
+        index = (torch.full_like(rows, entries.kind), torch.full_like(rows, entries.layer), rows, heads, self.positions)
         data.index_put_(index, new[:, :, 0])  # new (b, h_kv, 1, d) -> (b, h_kv, d) at each (slot, head, position)
         return data[entries.kind, entries.layer, :, :, : self.mask.shape[-1]][self.slot_index]
 
