@@ -138,14 +138,17 @@ def test_greedy_chat_answer_names_paris(engine):
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_quantized_default_model_still_names_paris(model_path, kind):
+def test_quantized_default_model_still_names_paris(model_path, engine, kind):
     # A 4-bit LM head answered "L'Étoile (The Lion) is the capital of France.": the head stays 8-bit.
-    engine = Engine.from_pretrained(model_path, EngineConfig(device="cpu", quantize=kind, max_batch_size=1,
-                                                             max_seq_len=256))
-    prompt = engine.tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
-    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-    (answer,) = engine.generate([ids], SamplingParams(max_new_tokens=30, temperature=0))
+    quantized = Engine.from_pretrained(model_path, EngineConfig(device="cpu", quantize=kind, max_batch_size=1,
+                                                                max_seq_len=512))
+    prompt = quantized.tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ids = quantized.tokenizer.encode(prompt, add_special_tokens=False)
+    (answer,) = quantized.generate([ids], SamplingParams(max_new_tokens=30, temperature=0))
     assert "Paris" in answer.text
+    paragraph = engine.tokenizer.encode(PARAGRAPH)  # and perplexity within 2% of float32 (issue 9's bound)
+    dense = perplexity(engine.prompt_logits(paragraph), paragraph)
+    assert perplexity(quantized.prompt_logits(paragraph), paragraph) == pytest.approx(dense, rel=0.02)
 
 
 def test_second_pull_uses_the_cache_without_fetching(model_path, home):
