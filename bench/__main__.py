@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     decode.add_argument("--gguf", type=Path, default=None,
                         help="the GGUF llama.cpp runs beside kvserve, when llama_cpp is installed "
                              "(default: the model folder's model.gguf, which the default model keeps)")
-    decode.add_argument("--quantize", default=None, choices=["int4", "int8"],
-                        help="kvserve with quantized weights (transformers stays dense, in --dtype)")
+    decode.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"],
+                        help="kvserve's weights (auto: a GGUF's quantized matrices as stored); transformers stays dense")
 
     serve = command("serve", help="load on the HTTP server: TTFT, inter-token latency, throughput")
     serve.add_argument("--url", default=None, help="a running server (default: start one on a free port)")
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--requests", type=int, default=None, help="requests per level (default: 2x concurrency)")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=16)
-    serve.add_argument("--quantize", default=None, choices=["int4", "int8"], help="serve with quantized weights")
+    serve.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"],
+                       help="the server's --quantize")
     serve.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                        help="the server's --compile; with auto or on, timings start once its compile thread is done")
 

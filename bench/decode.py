@@ -13,6 +13,8 @@ from bench.common import Timing, machine, machine_line, markdown_table, plot, ti
 from engine import Engine, EngineConfig, SamplingParams
 from engine.quantization import WeightOnlyLinear
 from engine.cpu_linear import CpuLinear
+from weights.checkpoint import transformers_files
+from weights.gguf_file import WEIGHTS_NAME
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -29,7 +31,8 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     compiled = ours.compile()
     compile_s = time.perf_counter() - started if compiled else None
-    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **transformers_files(path)).eval()
+    quantized = f"{args.quantize} weights" if ours.quantized else None  # auto: as the GGUF stores them
     generator = torch.Generator().manual_seed(0)
     vocab = ours.model.config.vocab_size
     prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=generator).tolist() for _ in range(8)]
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> dict:
                                pad_token_id=0)
 
     results: dict[str, dict[str, Timing]] = {}
-    parts = [part for part in (args.quantize and f"{args.quantize} weights", compiled and "compiled") if part]
+    parts = [part for part in (quantized, compiled and "compiled") if part]
     ours_name = f"kvserve ({', '.join(parts)})" if parts else "kvserve"
     for name, gen in ((ours_name, ours_generate), ("transformers", theirs_generate)):
         one = timed(lambda: gen(prompts[:1], 1), repeats)
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
     reference = reference_run(args, path, prompts, long_prompt, new_tokens, repeats)
     capacity = context_independence(ours.model, repeats)
     floor = matmul_floor(ours.model, repeats)
-    rows, payload = [], {"machine": machine(), "model": str(path), "dtype": args.dtype, "quantize": args.quantize,
+    rows, payload = [], {"machine": machine(), "model": str(path), "dtype": args.dtype, "quantize": quantized and args.quantize,
                          "compile_s": compile_s, "prompt_tokens": args.prompt_tokens, "new_tokens": new_tokens, "prefill_tokens": prefill_tokens,
                          "results": {}, "capacity": capacity, "matmul_floor": floor.as_dict()}
     for name, r in results.items():
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
                      f"{ratios['vs_llama_cpp_prefill']:.2f}x faster"])
     payload["ratios"] = ratios
     table = "\n".join([
-        f"# kvserve vs transformers ({args.dtype}{', kvserve with ' + args.quantize + ' weights' if args.quantize else ''}, "
+        f"# kvserve vs transformers ({args.dtype}{', kvserve with ' + quantized if quantized else ''}, "
         f"{Path(path).name})", "", machine_line(payload["machine"]), "",
         f"Prompt {args.prompt_tokens} tokens, {new_tokens} new tokens, greedy; median (min-max) of {repeats} runs.", "",
         markdown_table(["", "batch-1 decode ms/token", "batch-8 total tokens/s", f"prefill {prefill_tokens} tokens ms"], rows), "",
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
         f"weights. No implementation calling these kernels decodes faster, so at most "
         f"{ratios['ceiling_vs_transformers']:.2f}x transformers' batch-1 decode here.",
     ])
-    stem = f"decode_{args.dtype}" + (f"_{args.quantize}" if args.quantize else "")
+    stem = f"decode_{args.dtype}" + (f"_{args.quantize}" if quantized else "")
     write_results(args.out, stem, payload, table)
     plot(args.out, stem, f"Decode: kvserve vs transformers ({args.dtype})", "batch size",
          "output tokens/s", {name: ([1, 8], [1 / r["decode_per_token"].median, 8 * new_tokens / r["batch8"].median])
@@ -109,9 +112,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def reference_run(args, path: Path, prompts, long_prompt, new_tokens: int, repeats: int) -> dict | None:
     """llama.cpp on the same weights as a GGUF, when llama_cpp is installed and the GGUF is at hand."""
-    from weights.default_model import GGUF_NAME
-
-    gguf = args.gguf or Path(path) / GGUF_NAME
+    gguf = args.gguf or Path(path) / WEIGHTS_NAME
     if not llama_cpp.available() or not gguf.is_file():
         print(f"llama.cpp column skipped: {'no GGUF at ' + str(gguf) if llama_cpp.available() else 'llama_cpp is not installed'}")
         return None

@@ -48,8 +48,7 @@ def local_server(args: argparse.Namespace):
                "--compile", args.compile]
     if args.model:
         command += ["--model", args.model]
-    if args.quantize:
-        command += ["--quantize", args.quantize]
+    command += ["--quantize", args.quantize]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
         # The log lines that say the model is loaded and, when compiling, that the compile thread is done:
@@ -160,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
     info = machine()
     lines = [
         f"# Load on the HTTP server ({prompt.count('hello')}-word prompt, {new_tokens} new tokens per request, streaming"
-        f"{', int4 weights' if args.quantize else ''})",
+        f", --quantize {args.quantize})",
         "", machine_line(info), "",
         markdown_table(["concurrency", "requests", "errors", "output tokens/s", "requests/s", "TTFT ms p50/p90/p99",
                         "inter-token ms p50/p90/p99", "end-to-end s p50/p90/p99"], rows), "",

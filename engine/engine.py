@@ -16,7 +16,7 @@ from engine.device import resolve_device, resolve_dtype
 from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
-from engine.quantization import QUANTIZED, quantize
+from engine.quantization import QUANTIZE_MODES, WeightOnlyLinear, weights_bytes
 from engine.request import FinishReason, Request, RequestFailed, TokenEvent
 from engine.rope import RotaryTable
 from engine.sampler import Choice, score, select_tokens
@@ -38,7 +38,9 @@ class EngineConfig:
     dtype: str = "auto"
     prefill_chunk_size: int = 512  # prompt tokens per forward pass; bounds prefill memory
     seed: int | None = None  # seeds the seeds of requests that bring none
-    quantize: str | None = None  # "int4" or "int8": weight-only products (CPU, bfloat16 activations)
+    # Weight-only quantized products (CPU, bfloat16 activations). auto: a GGUF's quantized matrices served as
+    # stored when dtype is auto or bfloat16, else dense; none: dense; int4, int8: float weights quantized at load.
+    quantize: str = "auto"
     compile: str = "off"  # "auto"/"on": Engine.compile() builds compiled decode graphs where they can run
 
     def __post_init__(self) -> None:
@@ -52,9 +54,9 @@ class EngineConfig:
             parse_bytes(self.kv_cache_memory)  # fails now, with the text, rather than at start
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        if self.quantize not in (None, *QUANTIZED):
-            raise ValueError(f"quantize must be None, {', '.join(map(repr, QUANTIZED))}, got {self.quantize!r}")
-        if self.quantize and self.dtype not in ("auto", "bfloat16"):
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
+        if self.quantize in ("int4", "int8") and self.dtype not in ("auto", "bfloat16"):
             raise ValueError(f"quantize={self.quantize!r} computes in bfloat16 (torch's float32 weight-only kernels are "
                              f"slower than dense float32); use dtype 'bfloat16' or 'auto', not {self.dtype!r}")
 
@@ -112,19 +114,30 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
-        from weights.checkpoint import load_checkpoint
+        from weights.checkpoint import load_checkpoint, stores_quantized
 
         device = resolve_device(config.device)
-        dtype = torch.bfloat16 if config.quantize else resolve_dtype(config.dtype, device)
-        if config.quantize and device.type != "cpu":
-            raise ValueError(f"quantize={config.quantize!r} uses torch's CPU kernels; on {device} serve dense weights")
-        model_config, state = load_checkpoint(path, dtype)
-        model = build_model(model_config, state, device)
-        if config.quantize:
-            quantize(model, config.quantize)
+        mode = config.quantize
+        if mode == "auto" and not (device.type == "cpu" and config.dtype in ("auto", "bfloat16") and stores_quantized(path)):
+            mode = "none"
+        if mode != "none" and device.type != "cpu":
+            raise ValueError(f"quantize={mode!r} uses torch's CPU kernels; on {device} serve dense weights")
+        dtype = torch.bfloat16 if mode != "none" else resolve_dtype(config.dtype, device)
+        model_config, state = load_checkpoint(path, dtype, codes=mode != "none")
+        model = build_model(model_config, state, device, quantize=mode)
         return cls(model, Tokenizer.from_dir(path), config)
 
     # ---- the public API --------------------------------------------------------------------
+
+    @property
+    def weights_bytes(self) -> int:
+        """The model's parameters and buffers as held in memory (quantized ones as packed codes and scales)."""
+        return weights_bytes(self.model)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any product runs on quantized weights."""
+        return any(isinstance(m, WeightOnlyLinear) for m in self.model.modules())
 
     @property
     def max_seq_len(self) -> int:

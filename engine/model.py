@@ -10,6 +10,7 @@ from engine.attention import Attention
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.quantization import GroupCodes, quantized_linear
 from engine.rope import RotaryTable
 
 
@@ -81,11 +82,26 @@ class Transformer(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
-    """A Transformer holding exactly `state` (strict: every parameter present, no extras), on `device`."""
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor | GroupCodes], device: torch.device,
+                quantize: str = "none") -> Transformer:
+    """A Transformer holding exactly `state` (strict: every parameter present, no extras), on `device`.
+
+    With `quantize` other than "none", each linear layer is what `quantized_linear` makes of its weight
+    (group codes always become `GroupLinear`); the embedding and norms stay dense.
+    """
     with torch.device("meta"):
         model = Transformer(config)
+    state = dict(state)
+    if quantize != "none":
+        for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+            layer = quantized_linear(state[f"{name}.weight"], state.get(f"{name}.bias"), quantize, head=name == "lm_head")
+            if layer is None:
+                continue
+            state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)
+            state |= layer.state_dict(prefix=f"{name}.")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, layer)
     model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:  # assign=True replaced both names; make them one parameter again
+    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):  # assign=True untied the two names
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(device).eval().requires_grad_(False)

@@ -1,19 +1,89 @@
-"""Weight-only quantization of the matrix products, for CPU decode.
+"""Weight-only quantized products, for CPU decode.
 
-int4: each group of 32 input weights of an output row keeps 4-bit codes q in [0, 15] and its own
-scale and minimum: w ≈ scale·q + min (the layout of GGUF's Q4_1). int8: each output row keeps
-8-bit codes in [-127, 127] and one scale. The products are torch's weight-only CPU kernels, which
-read a quarter (int4) or half (int8) of bfloat16's bytes. Activations stay in bfloat16. The LM head,
-the largest single product of a step, is quantized too, always to int8; the embedding stays dense.
+Two layouts, each run by one of torch's weight-only CPU kernels (activations stay in bfloat16):
+- groups (`GroupCodes`, `GroupLinear`): each group of 32 inputs of an output row keeps unsigned codes,
+  one scale and one minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks; 8-bit
+  codes are Q8_0's (shifted by 128). The int4 kernel runs both: an 8-bit code is two 4-bit halves,
+  16·high + low, served as two stacked output rows and summed.
+- rows (`Int8Linear`): each output row keeps 8-bit codes in [-127, 127] and one scale (int8pack).
+
+What a layer becomes (`quantized_linear`): codes stored by the checkpoint (a GGUF's blocks) are served
+as stored whenever quantization is on; float weights are quantized only when asked: "int4" in groups
+(the LM head in int8 rows: 4-bit logits flip greedy answers), "int8" in rows. The embedding stays dense.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 GROUP_SIZE = 32
-LEVELS = 15  # 4 bits: codes 0..15
+QUANTIZE_MODES = ("auto", "none", "int4", "int8")
+
+
+@dataclass(frozen=True)
+class GroupCodes:
+    """A weight matrix in groups of `group_size` inputs: w[o, i] = scale[o, g]·codes[o, i] + minimum[o, g], g = i // group_size."""
+
+    codes: torch.Tensor  # uint8 (out, in), each in [0, 2**bits)
+    scale: torch.Tensor  # float32 (out, in // group_size)
+    minimum: torch.Tensor  # float32 (out, in // group_size)
+    bits: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"group codes are 4 or 8 bits, got {self.bits}")
+        out_features, in_features = self.codes.shape
+        groups = (out_features, in_features // GROUP_SIZE)
+        if in_features % GROUP_SIZE or tuple(self.scale.shape) != groups or tuple(self.minimum.shape) != groups:
+            raise ValueError(f"codes {tuple(self.codes.shape)} need {GROUP_SIZE}-input groups: scale and minimum {groups}, "
+                             f"got {tuple(self.scale.shape)} and {tuple(self.minimum.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @classmethod
+    def fit(cls, weight: torch.Tensor, bits: int) -> "GroupCodes":
+        """Min/max quantization of float weights (out, in), group by group."""
+        out_features, in_features = weight.shape
+        if in_features % GROUP_SIZE:
+            raise ValueError(f"group quantization needs in_features divisible by {GROUP_SIZE}, got {in_features}")
+        groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)  # (out, groups)
+        top = 2**bits - 1
+        scale = ((high - low) / top).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, top)
+        return cls(codes.to(torch.uint8).reshape(out_features, in_features), scale, low, bits)
+
+    @classmethod
+    def cat(cls, parts: list["GroupCodes | torch.Tensor"]) -> "GroupCodes":
+        """The parts' rows one after another (q, k, v -> qkv), in the widest part's bits.
+
+        A 4-bit part is exact in 8 bits (same codes, scale and minimum); a float part is fitted.
+        """
+        bits = max(p.bits for p in parts if isinstance(p, GroupCodes))
+        parts = [p if isinstance(p, GroupCodes) else cls.fit(p, bits) for p in parts]
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                   torch.cat([p.minimum for p in parts]), bits)
+
+    def map_rows(self, reorder) -> "GroupCodes":
+        """The same matrix with its rows reordered by `reorder` (a function of a (rows, ...) tensor)."""
+        return GroupCodes(reorder(self.codes), reorder(self.scale), reorder(self.minimum), self.bits)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (out, in)."""
+        out_features, in_features = self.shape
+        groups = self.codes.float().reshape(out_features, -1, GROUP_SIZE)  # (out, groups, 32)
+        return (groups * self.scale[..., None] + self.minimum[..., None]).reshape(out_features, in_features)
+
+    def halves(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(4-bit codes, scale, minimum) whose products sum to this matrix's: itself, or 8 bits as 16·high + low."""
+        if self.bits == 4:
+            return [(self.codes, self.scale, self.minimum)]
+        return [(self.codes >> 4, 16 * self.scale, self.minimum), (self.codes & 15, self.scale, torch.zeros_like(self.minimum))]
 
 
 class WeightOnlyLinear(nn.Module):
@@ -32,55 +102,57 @@ class WeightOnlyLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Int4Linear(WeightOnlyLinear):
-    def __init__(self, linear: nn.Linear, group_size: int = GROUP_SIZE):
+class GroupLinear(WeightOnlyLinear):
+    """Group codes through torch's int4 kernel, which computes (q - 8)·scale + zero per group."""
+
+    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        out_features, in_features = linear.weight.shape
-        if in_features % group_size:
-            raise ValueError(f"int4 needs in_features divisible by {group_size}, got {in_features}")
-        groups = linear.weight.detach().float().reshape(out_features, in_features // group_size, group_size)
-        low, high = groups.amin(-1), groups.amax(-1)  # (out, groups)
-        scale = ((high - low) / LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, LEVELS)
-        codes = codes.to(torch.int32).reshape(out_features, in_features)
-        # The kernel computes (q - 8)·scale + zero, so zero = min + 8·scale gives scale·q + min.
-        scales_and_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1)  # (groups, out, 2)
+        halves = weight.halves()
+        codes = torch.cat([q for q, _, _ in halves]).to(torch.int32)  # (halves·out, in)
+        scale = torch.cat([s for _, s, _ in halves])  # (halves·out, groups)
+        zero = torch.cat([m for _, _, m in halves]) + 8 * scale  # zero = minimum + 8·scale gives scale·q + minimum
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
-        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(linear.weight.dtype))
-        self.bias = linear.bias
-        self.group_size = group_size
-        self.in_features, self.out_features = in_features, out_features
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # (groups, halves·out, 2)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(dtype))
+        self.bias = bias
+        self.halves = len(halves)
+        self.out_features, self.in_features = weight.shape
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        if self.halves == 1:
+            return y
+        return y.view(-1, self.halves, self.out_features).sum(1)  # (tokens, 2, out): high and low halves -> (tokens, out)
 
 
 class Int8Linear(WeightOnlyLinear):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        weight = linear.weight.detach().float()  # (out, in)
+        weight = weight.detach().float()  # (out, in)
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # (out,)
         self.register_buffer("codes", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale.to(linear.weight.dtype))
-        self.bias = linear.bias
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("scales", scale.to(dtype))
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
 
 
-QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear}
+def quantized_linear(weight: torch.Tensor | GroupCodes, bias: torch.Tensor | None, mode: str, head: bool,
+                     dtype: torch.dtype = torch.bfloat16) -> WeightOnlyLinear | None:
+    """The module that serves one linear layer in `mode` (auto/int4/int8; "none" is resolved before), or None: dense."""
+    bias = None if bias is None else bias.to(dtype)
+    if isinstance(weight, GroupCodes):
+        return GroupLinear(weight, bias, dtype)
+    if mode == "int8" or (mode == "int4" and head):
+        return Int8Linear(weight, bias, dtype)
+    if mode == "int4":
+        return GroupLinear(GroupCodes.fit(weight, 4), bias, dtype)
+    return None  # auto: float weights stay dense
 
 
-def quantize(model: nn.Module, kind: str) -> nn.Module:
-    """Replace every block's q/k/v, output, gate/up and down projections and the LM head, in place."""
-    layer = QUANTIZED[kind]
-    for block in model.layers:
-        block.self_attn.qkv_proj = layer(block.self_attn.qkv_proj)
-        block.self_attn.o_proj = layer(block.self_attn.o_proj)
-        block.mlp.gate_up_proj = layer(block.mlp.gate_up_proj)
-        block.mlp.down_proj = layer(block.mlp.down_proj)
-    # int8 whatever `kind`: the LM head picks the token, and 4-bit logits flip greedy answers (the default
-    # model's GGUF itself stores this matrix in 8 bits, Q8_0). A copy of its own when tied; the embedding stays dense.
-    model.lm_head = Int8Linear(model.lm_head)
-    return model
+def weights_bytes(model: nn.Module) -> int:
+    """The bytes of every parameter and buffer, each tensor once (tied weights share one)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -42,6 +42,8 @@ class Metrics:
             "kvserve_kv_cache_usage_ratio": ("used / capacity.", lambda: runner.snapshot.usage_ratio),
             "kvserve_kv_cache_slots": ("KV cache slots (B).", lambda: runner.snapshot.slots),
             "kvserve_kv_cache_slots_in_use": ("Slots held by running requests.", lambda: runner.snapshot.running),
+            "kvserve_model_weights_bytes": ("The model's weights as held in memory (quantized ones packed).",
+                                            lambda: runner.snapshot.weights_bytes),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)

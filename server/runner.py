@@ -40,6 +40,7 @@ class Snapshot:
     slots: int = 0
     capacity_bytes: int = 0
     used_bytes: int = 0
+    weights_bytes: int = 0
 
     @property
     def usage_ratio(self) -> float:
@@ -92,6 +93,7 @@ class EngineRunner:
         self.engine: Engine | None = None
         self.load_error: str | None = None
         self.snapshot = Snapshot()
+        self.weights_bytes = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         self._active = 0  # accepted and not yet finished, counted on the event loop only
@@ -177,6 +179,7 @@ class EngineRunner:
     def _run(self) -> None:
         try:
             self.engine = self._load()
+            self.weights_bytes = self.engine.weights_bytes  # fixed once loaded: counted here, not per step
         except Exception as e:  # reported by /health and every request, never a crash
             self.load_error = f"the model failed to load: {type(e).__name__}: {e}"
             log.error(self.load_error)
@@ -256,5 +259,5 @@ class EngineRunner:
         engine = self.engine
         with self._changed:
             self.snapshot = Snapshot(engine.num_running, engine.num_waiting, engine.cache.slots,
-                                     engine.cache.capacity_bytes, engine.cache_used_bytes)
+                                     engine.cache.capacity_bytes, engine.cache_used_bytes, self.weights_bytes)
             self._changed.notify_all()

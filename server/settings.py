@@ -25,7 +25,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     model_name: str | None = None  # None: see served_model_name
     seed: int | None = None
-    quantize: str | None = None
+    quantize: str = "auto"
     compile: str = "auto"
 
     def __post_init__(self) -> None:
@@ -66,8 +66,9 @@ FLAGS = [
     ("max_body_bytes", int, "largest request body accepted; larger ones get 413"),
     ("model_name", str, "the model id reported by /v1/models and in OpenAI responses; default: --model as given"),
     ("seed", int, "seed for the seeds of requests that bring none (reproducible runs)"),
-    ("quantize", str, "'int4' or 'int8': weight-only quantized products (blocks and LM head), bfloat16 "
-                      "activations (CPU only; faster decode, slightly different outputs)"),
+    ("quantize", str, "auto, none, int4 or int8: weight-only quantized products, bfloat16 activations, CPU only. "
+                      "auto serves a GGUF's quantized matrices as stored (as llama.cpp does; dense with --dtype "
+                      "float32), other weights dense; int4/int8 also quantize float weights at load"),
     ("compile", str, "auto, on or off: compile the decode step with torch.compile in the background while serving "
                      "eagerly (auto and on: where it can run, the CPU with a C++ compiler; code cached on disk)"),
 ]

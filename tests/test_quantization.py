@@ -1,63 +1,99 @@
-"""Weight-only int4 and int8: exact on weights already on their grid, close on the rest, refused where they cannot run."""
+"""Weight-only quantization: GGUF's blocks served exactly as stored, float weights close, refused where it cannot run."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from torch import nn
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.quantization import Int4Linear, Int8Linear
+from engine.quantization import GroupCodes, GroupLinear, Int8Linear
+from tests.test_gguf import write_minimal_gguf
+from weights.gguf_file import GGUFFile
 
 
-def test_int4_is_exact_for_weights_stored_as_q4_1_blocks():
-    torch.manual_seed(0)
-    out_features, in_features = 48, 64
-    codes = torch.randint(0, 16, (out_features, in_features // 32, 32)).float()
-    codes[..., 0], codes[..., 1] = 0, 15  # every block spans all 16 levels, as a min/max quantizer sees it
-    scale = torch.rand(out_features, in_features // 32, 1) * 0.1 + 0.01
-    low = torch.randn(out_features, in_features // 32, 1) * 0.1
-    linear = nn.Linear(in_features, out_features, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_((codes * scale + low).reshape(out_features, in_features))
-    x = torch.randn(5, in_features)
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qtype):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((48, 96)).astype(np.float32) * 0.05
+    weight[:, :32] += 0.1  # groups whose minimum is not their negated maximum
+    path = write_minimal_gguf(tmp_path / "blocks.gguf", "llama", {"blk.0.ffn_up.weight": (quantize(weight, qtype), qtype)})
+    (tensor,) = GGUFFile(path).reader.tensors
+    codes = GGUFFile.group_codes(tensor)
+    stored = torch.from_numpy(dequantize(np.asarray(tensor.data), qtype).reshape(48, 96))  # gguf's own reading
+    assert codes.bits == (8 if qtype == GGMLQuantizationType.Q8_0 else 4)
+    torch.testing.assert_close(codes.dequantize(), stored, atol=1e-6, rtol=1e-5)
+    x = torch.randn(5, 96)
     with torch.inference_mode():
-        expected = linear(x)
-        got = Int4Linear(linear)(x)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        got = GroupLinear(codes, bias=None)(x.bfloat16()).float()
+    expected = x.bfloat16().float() @ stored.t()
+    # bfloat16 activations, scales and output: within a few bf16 roundings of the float32 product
+    torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0.02)
+
+
+def test_eight_bit_codes_are_two_exact_four_bit_halves():
+    torch.manual_seed(0)
+    codes = GroupCodes(torch.randint(0, 256, (16, 64), dtype=torch.uint8), torch.rand(16, 2) + 0.5,
+                       torch.randn(16, 2), bits=8)
+    rebuilt = sum(GroupCodes(q, s, m, bits=4).dequantize() for q, s, m in codes.halves())
+    torch.testing.assert_close(rebuilt, codes.dequantize())
+
+
+def test_fit_is_exact_for_weights_already_on_a_four_bit_grid():
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (48, 2, 32)).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # every group spans all 16 levels, as a min/max quantizer sees it
+    scale, low = torch.rand(48, 2, 1) * 0.1 + 0.01, torch.randn(48, 2, 1) * 0.1
+    weight = (codes * scale + low).reshape(48, 64)
+    torch.testing.assert_close(GroupCodes.fit(weight, 4).dequantize(), weight, atol=1e-6, rtol=1e-5)
+
+
+def test_stacking_widens_four_bit_parts_exactly():
+    torch.manual_seed(0)
+    four = GroupCodes.fit(torch.randn(8, 64), 4)
+    eight = GroupCodes.fit(torch.randn(4, 64), 8)
+    both = GroupCodes.cat([four, eight])
+    assert both.bits == 8
+    torch.testing.assert_close(both.dequantize(), torch.cat([four.dequantize(), eight.dequantize()]))
 
 
 def test_int8_is_exact_for_weights_on_a_per_row_grid():
     torch.manual_seed(0)
     codes = torch.randint(-127, 128, (48, 64)).float()
     codes[:, 0] = 127  # every row reaches the top code, as an absmax quantizer sees it
-    scale = torch.rand(48, 1) * 0.01 + 0.001
-    linear = nn.Linear(64, 48, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_(codes * scale)
+    weight, bias = codes * (torch.rand(48, 1) * 0.01 + 0.001), torch.randn(48)
     x = torch.randn(5, 64)
     with torch.inference_mode():
-        torch.testing.assert_close(Int8Linear(linear)(x), linear(x), atol=1e-4, rtol=1e-4)
+        got = Int8Linear(weight, bias, dtype=torch.float32)(x)
+    torch.testing.assert_close(got, x @ weight.t() + bias, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind,layer", [("int4", Int4Linear), ("int8", Int8Linear)])
+@pytest.mark.parametrize("kind,layer", [("int4", GroupLinear), ("int8", Int8Linear)])
 def test_quantized_engine_stays_close_to_dense(tiny_dir, kind, layer):
     settings = dict(device="cpu", max_batch_size=2, max_seq_len=128)
     dense = Engine.from_pretrained(tiny_dir, EngineConfig(dtype="bfloat16", **settings))
-    int4 = Engine.from_pretrained(tiny_dir, EngineConfig(quantize=kind, **settings))
-    assert int4.dtype == torch.bfloat16
-    assert isinstance(int4.model.layers[0].mlp.down_proj, layer) and isinstance(int4.model.lm_head, Int8Linear)
-    ids = int4.tokenizer.encode("The quick brown fox jumps over the lazy dog")
-    a, b = dense.prompt_logits(ids), int4.prompt_logits(ids)
+    quantized = Engine.from_pretrained(tiny_dir, EngineConfig(quantize=kind, **settings))
+    assert not dense.quantized and quantized.quantized and quantized.dtype == torch.bfloat16
+    assert isinstance(quantized.model.layers[0].mlp.down_proj, layer) and isinstance(quantized.model.lm_head, Int8Linear)
+    assert quantized.weights_bytes < dense.weights_bytes
+    ids = quantized.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    a, b = dense.prompt_logits(ids), quantized.prompt_logits(ids)
     # 4-bit weights move logits a little; the distribution over next tokens stays nearly the same.
     kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
     assert kl.item() < 0.05
-    (completion,) = int4.generate([ids], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    (completion,) = quantized.generate([ids], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
     assert len(completion.output_ids) == 8
 
 
-def test_int4_refuses_float32_and_unknown_schemes():
+def test_auto_keeps_float_checkpoints_dense(tiny_dir):
+    engine = Engine.from_pretrained(tiny_dir, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
+    assert not engine.quantized
+
+
+def test_quantizing_refuses_float32_and_unknown_schemes():
     with pytest.raises(ValueError, match="computes in bfloat16"):
         EngineConfig(quantize="int4", dtype="float32")
-    with pytest.raises(ValueError, match="quantize must be None, 'int4', 'int8'"):
+    with pytest.raises(ValueError, match="quantize must be one of auto, none, int4, int8"):
         EngineConfig(quantize="int3")

