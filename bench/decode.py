@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.quantization import WeightOnlyLinear
 from engine.cpu_linear import CpuLinear
 from weights.checkpoint import transformers_files
-from weights.gguf_file import WEIGHTS_NAME
+from weights.gguf_file import WEIGHTS_NAME, import_gguf
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -31,7 +32,8 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     compiled = ours.compile()
     compile_s = time.perf_counter() - started if compiled else None
-    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **transformers_files(path)).eval()
+    with tempfile.TemporaryDirectory() as scratch:
+        theirs = AutoModelForCausalLM.from_pretrained(dense_folder(path, Path(scratch)), dtype=dtype).eval()
     quantized = f"{args.quantize} weights" if ours.quantized else None  # auto: as the GGUF stores them
     generator = torch.Generator().manual_seed(0)
     vocab = ours.model.config.vocab_size
@@ -108,6 +110,17 @@ def run(args: argparse.Namespace) -> dict:
         table += f"\n\nkvserve's decode step compiled in {compile_s:.1f} s before the timings (both graphs)."
     print(table)
     return payload
+
+
+def dense_folder(path: Path, scratch: Path) -> Path:
+    """The checkpoint as transformers reads it densely: a GGUF's weights dequantized into `scratch`.
+
+    (transformers can read the GGUF itself, but then it may keep the blocks packed and compute in float32:
+    not the dense `--dtype` model this bench compares with.)
+    """
+    if not transformers_files(path):
+        return path
+    return import_gguf(Path(path) / WEIGHTS_NAME, scratch, progress=False, dequantize=True)
 
 
 def reference_run(args, path: Path, prompts, long_prompt, new_tokens: int, repeats: int) -> dict | None:
