@@ -42,6 +42,7 @@ class EngineConfig:
     # stored when dtype is auto or bfloat16, else dense; none: dense; int4, int8: float weights quantized at load.
     quantize: str = "auto"
     compile: str = "off"  # "auto"/"on": Engine.compile() builds compiled decode graphs where they can run
+    prefix_caching: bool = True  # a new request reuses the K/V a free slot kept of a shared prompt prefix
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -72,6 +73,7 @@ class Completion:
     seed: int
     top_logprobs: list[tuple[tuple[int, float], ...]]  # per output token: params.top_logprobs (id, logprob), best first
     prompt_logprobs: list[Choice] | None  # prompt tokens 1.. scored by their prefix, when params.prompt_logprobs
+    reused_prompt_tokens: int  # leading prompt tokens whose K/V a slot kept from an earlier request
 
 
 class Engine:
@@ -92,7 +94,7 @@ class Engine:
         slots = self._slots(model_config, max_seq_len)
         self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype)
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
-        self.scheduler = Scheduler(slots)
+        self.scheduler = Scheduler(slots, config.prefix_caching)
         self.executor = DecodeExecutor(model, self.rotary, self.cache)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -237,7 +239,7 @@ class Engine:
             raise InvalidParameter(f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len {self.max_seq_len}")
         if not self.scheduler.free_slots:
             raise RuntimeError("prompt_logits needs a free cache slot")
-        chunks = list(self._forward_prompt(prompt_ids, self.scheduler.free_slots[0]))
+        chunks = list(self._forward_prompt(prompt_ids, self.scheduler.borrow()))
         hidden = chunks[-1][:, -1:] if last_only else torch.cat(chunks, dim=1)
         return self.model.logits(hidden)[0]
 
@@ -253,7 +255,13 @@ class Engine:
 
     @property
     def cache_used_bytes(self) -> int:
+        """Cache bytes holding the tokens of running requests."""
         return self.cache.used_bytes(sum(r.cached_tokens for r in self.scheduler.running.values()))
+
+    @property
+    def cache_kept_bytes(self) -> int:
+        """Cache bytes that free slots keep for reuse by later requests sharing their prefix."""
+        return self.cache.used_bytes(self.scheduler.kept_tokens)
 
     @property
     def compiled_graphs(self) -> tuple[str, ...]:
@@ -276,10 +284,11 @@ class Engine:
         self.check_prompt_ids(prompt_ids)
         return prompt_ids
 
-    def _forward_prompt(self, prompt_ids: list[int], slot: int) -> Iterator[torch.Tensor]:
-        """One sequence's prompt into `slot`, chunk by chunk; yields each chunk's hidden states (1, n, hidden)."""
+    def _forward_prompt(self, prompt_ids: list[int], slot: int, first: int = 0) -> Iterator[torch.Tensor]:
+        """One sequence's prompt from position `first` into `slot`, chunk by chunk; yields each chunk's hidden
+        states (1, n, hidden). Positions before `first` must already hold the prompt's K/V."""
         tokens = torch.tensor(prompt_ids, device=self.device)
-        for start in range(0, len(tokens), self.config.prefill_chunk_size):
+        for start in range(first, len(tokens), self.config.prefill_chunk_size):
             length = min(self.config.prefill_chunk_size, len(tokens) - start)
             batch = PrefillBatch([slot], [start], [length], self.device)
             yield self.model(tokens[None, start:start + length], self.rotary, self.cache, batch)
@@ -306,40 +315,43 @@ class Engine:
         return RequestFailed(request.request_id, message)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        """The request ends: its slot (or queue place) is free for the next step."""
+        """The request ends: its slot (or queue place) is free for the next step, keeping the tokens it wrote
+        (none if its pass failed: then what the cache holds is unknown)."""
         request.finish_reason = reason
-        self.scheduler.release(request)
+        written = (request.prompt_ids + request.output_ids)[: request.cached_tokens]
+        self.scheduler.release(request, keep=written if reason is not FinishReason.ERROR else [])
         self.requests.pop(request.request_id, None)
 
     def _prefill(self, requests: list[Request]) -> list[TokenEvent | RequestFailed]:
         """Write newly admitted prompts into their slots and sample each one's first token.
 
-        Prompts that fit in one chunk share forward passes, right-padded, up to `prefill_chunk_size`
-        padded tokens per pass; longer prompts go alone, chunk by chunk.
+        Each prompt starts after the tokens its slot already holds (`reused_tokens`). Prompts whose rest
+        fits in one chunk share forward passes, right-padded, up to `prefill_chunk_size` padded tokens per
+        pass; longer ones go alone, chunk by chunk.
         """
         chunk = self.config.prefill_chunk_size
         events: list[TokenEvent | RequestFailed] = []
         group: list[Request] = []
-        for request in sorted((r for r in requests if len(r.prompt_ids) <= chunk), key=lambda r: len(r.prompt_ids)):
-            if group and (len(group) + 1) * len(request.prompt_ids) > chunk:
+        for request in sorted((r for r in requests if r.prefill_tokens <= chunk), key=lambda r: r.prefill_tokens):
+            if group and (len(group) + 1) * request.prefill_tokens > chunk:
                 events += self._isolated(self._prefill_group, group)
                 group = []
             group.append(request)
         if group:
             events += self._isolated(self._prefill_group, group)
-        for request in (r for r in requests if len(r.prompt_ids) > chunk):
+        for request in (r for r in requests if r.prefill_tokens > chunk):
             events += self._isolated(self._prefill_long, [request])
         return events
 
     def _prefill_group(self, requests: list[Request]) -> list[Choice]:
-        lengths = [len(r.prompt_ids) for r in requests]
-        batch = PrefillBatch([r.slot for r in requests], [0] * len(requests), lengths, self.device)
+        lengths = [r.prefill_tokens for r in requests]
+        batch = PrefillBatch([r.slot for r in requests], [r.reused_tokens for r in requests], lengths, self.device)
         tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long, device=self.device)  # right-padded
         for row, request in enumerate(requests):
-            tokens[row, : lengths[row]] = torch.tensor(request.prompt_ids, device=self.device)
+            tokens[row, : lengths[row]] = torch.tensor(request.prompt_ids[request.reused_tokens:], device=self.device)
         hidden = self.model(tokens, self.rotary, self.cache, batch)  # (n, width, hidden)
         for row, request in enumerate(requests):
-            if request.params.prompt_logprobs:  # position i scores prompt token i + 1
+            if request.params.prompt_logprobs:  # never reused: position i scores prompt token i + 1
                 request.prompt_logprobs = self._score_prompt(hidden[row, : lengths[row] - 1], request.prompt_ids[1:],
                                                              request.params.top_logprobs)
         logits = self.model.logits(hidden[batch.last_index()])  # (n, V): each row's last real position
@@ -347,8 +359,8 @@ class Engine:
 
     def _prefill_long(self, requests: list[Request]) -> list[Choice]:
         (request,) = requests
-        params, start, scores = request.params, 0, []
-        for hidden in self._forward_prompt(request.prompt_ids, request.slot):  # (1, n, hidden); the last predicts
+        params, start, scores = request.params, request.reused_tokens, []
+        for hidden in self._forward_prompt(request.prompt_ids, request.slot, start):  # (1, n, hidden); the last predicts
             if params.prompt_logprobs:  # this chunk's positions score the prompt tokens that follow them
                 targets = request.prompt_ids[start + 1: start + 1 + hidden.shape[1]]
                 scores += self._score_prompt(hidden[0, : len(targets)], targets, params.top_logprobs)
@@ -388,7 +400,7 @@ class Engine:
         first = len(request.output_ids) == 1
         prompt_logprobs = tuple(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None
         return TokenEvent(request.request_id, len(request.output_ids) - 1, token, text, choice.logprob, special,
-                          reason, stop_string, choice.top, prompt_logprobs)
+                          reason, stop_string, choice.top, prompt_logprobs, request.reused_tokens if first else None)
 
     def _finish_reason(self, request: Request, token: int, piece: str) -> tuple[FinishReason | None, str | None]:
         params = request.params
@@ -407,7 +419,7 @@ class Engine:
     def _completion(self, request: Request, events: list[TokenEvent]) -> Completion:
         return Completion(request.request_id, request.prompt_ids, request.output_ids, request.text,
                           [e.logprob for e in events], request.finish_reason, request.seed,
-                          [e.top_logprobs for e in events], request.prompt_logprobs)
+                          [e.top_logprobs for e in events], request.prompt_logprobs, request.reused_tokens)
 
 
 __all__ = ["Completion", "Engine", "EngineConfig"]

@@ -39,6 +39,7 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the most likely tokens, best first
     # On a request's first event when it asked for prompt_logprobs: prompt tokens 1.. as scored by their prefix.
     prompt_logprobs: tuple[Choice, ...] | None = None
+    reused_prompt_tokens: int | None = None  # on a request's first event: prompt tokens whose K/V were kept, not computed
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,16 @@ class Request:
     slot: int | None = None
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[Choice] | None = None  # filled at prefill when params.prompt_logprobs
+    reused_tokens: int = 0  # leading prompt tokens its slot already held at admission (prefix caching)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens its prefill computes: those after the reused prefix."""
+        return len(self.prompt_ids) - self.reused_tokens
 
     @property
     def cached_tokens(self) -> int:

@@ -1,16 +1,22 @@
-"""Which requests hold cache slots, and which wait for one (first come, first served)."""
+"""Which requests hold cache slots, which wait for one (first come, first served), and what free slots keep.
+
+A slot keeps its tokens' K/V after its request ends. With prefix caching on, a new request takes the
+free slot whose kept tokens share the longest prefix with its prompt (ties, and no match: the least
+recently used slot), and prefill starts after the shared part.
+"""
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
 from engine.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, slots: int):
-        self.free_slots = list(range(slots))  # a heap: the lowest slot first keeps running slots contiguous
+    def __init__(self, slots: int, prefix_caching: bool):
+        self.prefix_caching = prefix_caching
+        self.free_slots = list(range(slots))  # least recently used first
+        self.kept: list[list[int]] = [[] for _ in range(slots)]  # per slot: the tokens its first positions hold
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
 
@@ -18,20 +24,39 @@ class Scheduler:
         self.waiting.append(request)
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into free slots, oldest first."""
+        """Move waiting requests into free slots, oldest first; each learns how many prompt tokens it reuses."""
         admitted = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
-            request.slot = heapq.heappop(self.free_slots)
+            request.slot, request.reused_tokens = self._best_slot(request)
+            self.free_slots.remove(request.slot)
+            self.kept[request.slot] = []  # overwritten from reused_tokens on; kept again at release
             request.status = Status.RUNNING
             self.running[request.slot] = request
             admitted.append(request)
         return admitted
 
-    def release(self, request: Request) -> None:
+    def _best_slot(self, request: Request) -> tuple[int, int]:
+        """(slot, prompt tokens it already holds). At least the last prompt token is always computed: its
+        output predicts the first new token. Prompt log-probabilities need every position computed."""
+        if not self.prefix_caching or request.params.prompt_logprobs:
+            return self.free_slots[0], 0
+        shared = {slot: common_prefix(self.kept[slot], request.prompt_ids) for slot in self.free_slots}
+        slot = max(self.free_slots, key=shared.__getitem__)  # the first of equals: least recently used
+        return slot, min(shared[slot], len(request.prompt_ids) - 1)
+
+    def borrow(self) -> int:
+        """A free slot to write scratch positions into (it stays free, and keeps nothing)."""
+        slot = self.free_slots[0]
+        self.kept[slot] = []
+        return slot
+
+    def release(self, request: Request, keep: list[int]) -> None:
+        """The request ends; its slot, if it held one, keeps the K/V of `keep` (its leading tokens)."""
         if request.status is Status.RUNNING:
             del self.running[request.slot]
-            heapq.heappush(self.free_slots, request.slot)
+            self.kept[request.slot] = keep if self.prefix_caching else []
+            self.free_slots.append(request.slot)  # the most recently used
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
         request.status = Status.FINISHED
@@ -42,5 +67,25 @@ class Scheduler:
         return [self.running[slot] for slot in sorted(self.running)]
 
     @property
+    def kept_tokens(self) -> int:
+        """Tokens held by free slots for reuse."""
+        return sum(len(self.kept[slot]) for slot in self.free_slots)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens a and b share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]: bisect on list equality, which runs in C
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -61,6 +61,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
             "device": str(engine.device), "max_batch_size": cache.slots, "max_seq_len": engine.max_seq_len,
             "max_queue": runner.max_queue, "compiled_decode": list(engine.compiled_graphs),
             "quantized": engine.quantized, "weights_bytes": runner.weights_bytes,
+            "prefix_caching": engine.config.prefix_caching,
             "kv_cache": {"capacity_bytes": cache.capacity_bytes, "formula": "2*B*L*T*h_kv*d_h*itemsize",
                          "B": cache.slots, "L": cache.num_layers, "T": cache.max_seq_len, "h_kv": cache.num_kv_heads,
                          "d_h": cache.head_dim, "itemsize": cache.data.element_size(),

@@ -24,6 +24,11 @@ class Generation:
     events: list[TokenEvent] = field(default_factory=list)
 
     @property
+    def reused_prompt_tokens(self) -> int:
+        """Leading prompt tokens whose K/V a slot had kept (prefix caching): not computed again."""
+        return (self.events[0].reused_prompt_tokens or 0) if self.events else 0
+
+    @property
     def text(self) -> str:
         return "".join(e.text for e in self.events)
 
@@ -39,6 +44,8 @@ class Generation:
                     raise GenerationFailed(item.status, item.message, item.error_type)
                 if last_at is None:
                     metrics.time_to_first_token.observe(item.at - stream.arrived_at)
+                    metrics.prefix_queried_tokens.inc(len(stream.prompt_ids))
+                    metrics.prefix_hit_tokens.inc(item.event.reused_prompt_tokens or 0)
                     metrics.request_queue.observe(item.admitted_at - stream.arrived_at)
                 else:
                     metrics.inter_token_latency.observe(item.at - last_at)

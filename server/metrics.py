@@ -31,6 +31,11 @@ class Metrics:
         self.request_queue = Histogram(
             "kvserve_request_queue_seconds", "Arrival to getting a KV-cache slot.", buckets=REQUEST_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.prefix_queried_tokens = Counter(
+            "kvserve_prefix_cache_queried_tokens", "Prompt tokens of requests that reached their first token.", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "kvserve_prefix_cache_hit_tokens", "Of those, tokens whose K/V a slot had kept (hit rate = hit / queried).",
+            registry=r)
         self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens sent to clients.", registry=r)
         self.requests = Counter("kvserve_requests", "Finished requests.", ["finish_reason"], registry=r)
         self.failures = Counter("kvserve_request_failures", "Requests refused or failed.", ["reason"], registry=r)
@@ -38,7 +43,10 @@ class Metrics:
             "kvserve_requests_running": ("Requests holding a KV-cache slot.", lambda: runner.snapshot.running),
             "kvserve_requests_waiting": ("Requests waiting for a slot.", lambda: runner.snapshot.waiting),
             "kvserve_kv_cache_capacity_bytes": ("KV cache allocation: 2*B*L*T*h_kv*d_h*itemsize.", lambda: runner.snapshot.capacity_bytes),
-            "kvserve_kv_cache_used_bytes": ("KV cache bytes holding tokens.", lambda: runner.snapshot.used_bytes),
+            "kvserve_kv_cache_used_bytes": ("KV cache bytes holding the tokens of running requests.",
+                                            lambda: runner.snapshot.used_bytes),
+            "kvserve_kv_cache_kept_bytes": ("KV cache bytes that free slots keep for prefix reuse.",
+                                            lambda: runner.snapshot.kept_bytes),
             "kvserve_kv_cache_usage_ratio": ("used / capacity.", lambda: runner.snapshot.usage_ratio),
             "kvserve_kv_cache_slots": ("KV cache slots (B).", lambda: runner.snapshot.slots),
             "kvserve_kv_cache_slots_in_use": ("Slots held by running requests.", lambda: runner.snapshot.running),

@@ -43,7 +43,8 @@ class StopTrimmer:
 
 def usage(gen: generation.Generation) -> dict:
     prompt, completion = len(gen.stream.prompt_ids), len(gen.events)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": gen.reused_prompt_tokens}}
 
 
 def model_name(request: Request) -> str:

@@ -41,6 +41,7 @@ class Snapshot:
     capacity_bytes: int = 0
     used_bytes: int = 0
     weights_bytes: int = 0
+    kept_bytes: int = 0
 
     @property
     def usage_ratio(self) -> float:
@@ -259,5 +260,6 @@ class EngineRunner:
         engine = self.engine
         with self._changed:
             self.snapshot = Snapshot(engine.num_running, engine.num_waiting, engine.cache.slots,
-                                     engine.cache.capacity_bytes, engine.cache_used_bytes, self.weights_bytes)
+                                     engine.cache.capacity_bytes, engine.cache_used_bytes, self.weights_bytes,
+                                     engine.cache_kept_bytes)
             self._changed.notify_all()

@@ -27,8 +27,11 @@ class Settings:
     seed: int | None = None
     quantize: str = "auto"
     compile: str = "auto"
+    prefix_caching: str = "on"
 
     def __post_init__(self) -> None:
+        if self.prefix_caching not in ("on", "off"):
+            raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         if self.max_queue < 0:
@@ -47,7 +50,7 @@ class Settings:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                             kv_cache_memory=self.kv_cache_memory, device=self.device, dtype=self.dtype, seed=self.seed,
-                            quantize=self.quantize, compile=self.compile)
+                            quantize=self.quantize, compile=self.compile, prefix_caching=self.prefix_caching == "on")
 
 
 FLAGS = [
@@ -71,6 +74,8 @@ FLAGS = [
                       "float32), other weights dense; int4/int8 also quantize float weights at load"),
     ("compile", str, "auto, on or off: compile the decode step with torch.compile in the background while serving "
                      "eagerly (auto and on: where it can run, the CPU with a C++ compiler; code cached on disk)"),
+    ("prefix_caching", str, "on or off: a finished request's slot keeps its tokens' K/V, and a new request sharing "
+                            "their prefix (a chat's earlier turns, a common system prompt) skips computing it"),
 ]
 
 

@@ -38,7 +38,8 @@ def prefill(gen: generation.Generation, tokenizer: Tokenizer) -> list[dict]:
 def details(gen: generation.Generation, input_length: int, with_tokens: bool, tokenizer: Tokenizer) -> dict:
     last = gen.events[-1]
     body = {"finish_reason": TGI_FINISH[last.finish_reason], "generated_tokens": len(gen.events),
-            "seed": None if gen.stream.params.greedy else gen.stream.seed, "input_length": input_length}
+            "seed": None if gen.stream.params.greedy else gen.stream.seed, "input_length": input_length,
+            "cached_input_tokens": gen.reused_prompt_tokens}
     if with_tokens:
         body |= {"prefill": prefill(gen, tokenizer), "tokens": [token(e) for e in gen.events]}
         if gen.stream.params.top_logprobs:

@@ -69,6 +69,11 @@ def test_generate_without_stream_and_the_tgi_aliases(server, offline):
     expected = greedy_alone(offline, PROMPTS[1], 10)
     assert [t["id"] for t in result["details"]["tokens"]] == expected
     assert result["generated_text"] == PROMPTS[1] + offline.tokenizer.decode(expected)
+    # The same prompt again reuses all but its last token: the same tokens, log-probabilities up to rounding
+    # (its K/V came from a pass of another shape).
+    assert via_root["details"].pop("cached_input_tokens") == result["details"]["input_length"] - 1
+    assert same_tokens(via_root["details"].pop("tokens"), result["details"].pop("tokens"))
+    result["details"].pop("cached_input_tokens")
     assert via_root == result
     assert [e["token"]["id"] for e in streamed] == expected
 
@@ -78,7 +83,14 @@ def test_sampling_with_seed_is_reproducible_over_http(server):
                                                  "top_p": 0.9, "seed": 42, "details": True}}
     with httpx.Client(base_url=server.url, timeout=60) as client:
         first, second = client.post("/generate", json=body).json(), client.post("/generate", json=body).json()
-    assert first == second and first["details"]["seed"] == 42
+    assert first["generated_text"] == second["generated_text"] and first["details"]["seed"] == 42
+    assert second["details"]["cached_input_tokens"] > 0 and same_tokens(first["details"]["tokens"], second["details"]["tokens"])
+
+
+def same_tokens(a: list[dict], b: list[dict]) -> bool:
+    """TGI token lists equal but for float rounding in the log-probabilities."""
+    logprobs = [t.pop("logprob") for t in a], [t.pop("logprob") for t in b]
+    return a == b and logprobs[0] == pytest.approx(logprobs[1], abs=1e-4)
 
 
 def test_openai_client_completions_and_chat(server, offline):
@@ -502,3 +514,27 @@ def test_compiled_decode_serves_the_same_tokens(model_dir, offline):
         together = asyncio.run(four_at_once())
     assert [t["id"] for t in alone["details"]["tokens"]] == greedy_alone(offline, PROMPTS[0], 12)
     assert together == [greedy_alone(offline, p, 12) for p in PROMPTS[:4]]
+
+
+def test_a_repeated_conversation_reuses_its_prefix_and_says_so(server, offline):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    messages = [{"role": "system", "content": "You answer in lists. " * 8}, {"role": "user", "content": "Name three rivers"}]
+    prompt = offline.tokenizer.encode(offline.tokenizer.render_chat(messages), add_special_tokens=False)
+    before = metric_values(httpx.get(f"{server.url}/metrics").text)
+    first = client.chat.completions.create(model="kvserve", messages=messages, max_tokens=6, temperature=0)
+    second = client.chat.completions.create(model="kvserve", messages=messages, max_tokens=6, temperature=0)
+    after = metric_values(httpx.get(f"{server.url}/metrics").text)
+    assert second.usage.prompt_tokens == len(prompt)
+    assert second.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1  # all but the last: it predicts
+    assert second.choices[0].message.content == first.choices[0].message.content
+    hits = first.usage.prompt_tokens_details.cached_tokens + second.usage.prompt_tokens_details.cached_tokens
+    assert after["kvserve_prefix_cache_hit_tokens_total"] - before["kvserve_prefix_cache_hit_tokens_total"] == hits
+    assert after["kvserve_prefix_cache_queried_tokens_total"] - before["kvserve_prefix_cache_queried_tokens_total"] == 2 * len(prompt)
+    assert after["kvserve_kv_cache_kept_bytes"] > 0
+    tgi = httpx.post(f"{server.url}/generate", json={"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 3, "details": True}})
+    again = httpx.post(f"{server.url}/generate", json={"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 3, "details": True}})
+    assert again.json()["details"]["cached_input_tokens"] == again.json()["details"]["input_length"] - 1
+    assert again.json()["generated_text"] == tgi.json()["generated_text"]
+    assert httpx.get(f"{server.url}/info").json()["prefix_caching"] is True
