@@ -208,12 +208,15 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent | RequestFailed]:
-        """One unit of work: admit and prefill waiting requests, then one decode step for the others.
+        """One unit of work: admit waiting requests, run one prefill pass over the next chunks of the prompts
+        not yet written (at most `prefill_chunk_size` tokens), then one decode step for the requests past theirs.
 
-        Every running request gets exactly one new token per step, or fails alone (RequestFailed).
+        A long prompt is written over several steps, so running requests keep getting tokens meanwhile.
+        Every request past its prefill gets exactly one new token per step, or fails alone (RequestFailed).
         """
-        decoding = self.scheduler.decoding()
-        events = self._prefill(self.scheduler.admit())
+        decoding = [r for r in self.scheduler.decoding() if r.output_ids]
+        self.scheduler.admit()
+        events = self._prefill([r for r in self.scheduler.running.values() if not r.output_ids])  # oldest first
         if decoding:
             events += self._isolated(self._decode, decoding)
         return events
@@ -284,19 +287,18 @@ class Engine:
         self.check_prompt_ids(prompt_ids)
         return prompt_ids
 
-    def _forward_prompt(self, prompt_ids: list[int], slot: int, first: int = 0) -> Iterator[torch.Tensor]:
-        """One sequence's prompt from position `first` into `slot`, chunk by chunk; yields each chunk's hidden
-        states (1, n, hidden). Positions before `first` must already hold the prompt's K/V."""
+    def _forward_prompt(self, prompt_ids: list[int], slot: int) -> Iterator[torch.Tensor]:
+        """One sequence's prompt into `slot`, chunk by chunk; yields each chunk's hidden states (1, n, hidden)."""
         tokens = torch.tensor(prompt_ids, device=self.device)
-        for start in range(first, len(tokens), self.config.prefill_chunk_size):
+        for start in range(0, len(tokens), self.config.prefill_chunk_size):
             length = min(self.config.prefill_chunk_size, len(tokens) - start)
             batch = PrefillBatch([slot], [start], [length], self.device)
             yield self.model(tokens[None, start:start + length], self.rotary, self.cache, batch)
 
-    def _isolated(self, run: Callable[[list[Request]], list[Choice]],
+    def _isolated(self, run: Callable[[list[Request]], list[Choice | None]],
                   requests: list[Request]) -> list[TokenEvent | RequestFailed]:
-        """run(requests) -> each one's next token; if it raises, each request again alone, so one
-        request's failure ends only that request.
+        """run(requests) -> each one's next token (None: not yet); if it raises, each request again alone, so
+        one request's failure ends only that request.
 
         Running a pass again is safe: it rewrites the same cache positions with the same values, and
         tokens are appended only once the whole pass has sampled.
@@ -308,7 +310,7 @@ class Engine:
                 return [event for r in requests for event in self._isolated(run, [r])]
             log.exception("request %s failed", requests[0].request_id)
             return [self._fail(requests[0], f"generation failed: {type(e).__name__}: {e}")]
-        return [self._append(r, choice) for r, choice in zip(requests, choices)]
+        return [self._append(r, choice) for r, choice in zip(requests, choices) if choice is not None]
 
     def _fail(self, request: Request, message: str) -> RequestFailed:
         self._finish(request, FinishReason.ERROR)
@@ -323,51 +325,48 @@ class Engine:
         self.requests.pop(request.request_id, None)
 
     def _prefill(self, requests: list[Request]) -> list[TokenEvent | RequestFailed]:
-        """Write newly admitted prompts into their slots and sample each one's first token.
-
-        Each prompt starts after the tokens its slot already holds (`reused_tokens`). Prompts whose rest
-        fits in one chunk share forward passes, right-padded, up to `prefill_chunk_size` padded tokens per
-        pass; longer ones go alone, chunk by chunk.
+        """One forward pass over the next prompt chunks of `requests` (oldest first), right-padded rows of at
+        most `prefill_chunk_size` padded tokens in all: the oldest always gets a chunk, later ones join while
+        the pass stays within that size. Each chunk starts where its slot's prompt positions end
+        (`prefilled`: after a reused prefix, or after the chunks of earlier steps).
         """
-        chunk = self.config.prefill_chunk_size
-        events: list[TokenEvent | RequestFailed] = []
-        group: list[Request] = []
-        for request in sorted((r for r in requests if r.prefill_tokens <= chunk), key=lambda r: r.prefill_tokens):
-            if group and (len(group) + 1) * request.prefill_tokens > chunk:
-                events += self._isolated(self._prefill_group, group)
-                group = []
-            group.append(request)
-        if group:
-            events += self._isolated(self._prefill_group, group)
-        for request in (r for r in requests if r.prefill_tokens > chunk):
-            events += self._isolated(self._prefill_long, [request])
-        return events
+        limit = self.config.prefill_chunk_size
+        pieces: dict[str, int] = {}  # request id -> prompt tokens this pass writes
+        for request in requests:
+            n, width = min(request.prompt_left, limit), max(pieces.values(), default=0)
+            if not pieces or (len(pieces) + 1) * max(width, n) <= limit:
+                pieces[request.request_id] = n
+        if not pieces:
+            return []
+        chosen = [r for r in requests if r.request_id in pieces]
+        return self._isolated(lambda group: self._prefill_pass(group, pieces), chosen)
 
-    def _prefill_group(self, requests: list[Request]) -> list[Choice]:
-        lengths = [r.prefill_tokens for r in requests]
-        batch = PrefillBatch([r.slot for r in requests], [r.reused_tokens for r in requests], lengths, self.device)
+    def _prefill_pass(self, requests: list[Request], pieces: dict[str, int]) -> list[Choice | None]:
+        """Write pieces[id] more prompt tokens of each request; the ones whose prompt is then complete sample
+        their first token (the others get None). Request state changes only once the whole pass succeeded."""
+        starts, lengths = [r.prefilled for r in requests], [pieces[r.request_id] for r in requests]
+        batch = PrefillBatch([r.slot for r in requests], starts, lengths, self.device)
         tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long, device=self.device)  # right-padded
-        for row, request in enumerate(requests):
-            tokens[row, : lengths[row]] = torch.tensor(request.prompt_ids[request.reused_tokens:], device=self.device)
+        for row, (request, start, n) in enumerate(zip(requests, starts, lengths)):
+            tokens[row, :n] = torch.tensor(request.prompt_ids[start:start + n], device=self.device)
         hidden = self.model(tokens, self.rotary, self.cache, batch)  # (n, width, hidden)
-        for row, request in enumerate(requests):
+        scores = {}
+        for row, (request, start, n) in enumerate(zip(requests, starts, lengths)):
             if request.params.prompt_logprobs:  # never reused: position i scores prompt token i + 1
-                request.prompt_logprobs = self._score_prompt(hidden[row, : lengths[row] - 1], request.prompt_ids[1:],
-                                                             request.params.top_logprobs)
-        logits = self.model.logits(hidden[batch.last_index()])  # (n, V): each row's last real position
-        return select_tokens(logits, requests)
-
-    def _prefill_long(self, requests: list[Request]) -> list[Choice]:
-        (request,) = requests
-        params, start, scores = request.params, request.reused_tokens, []
-        for hidden in self._forward_prompt(request.prompt_ids, request.slot, start):  # (1, n, hidden); the last predicts
-            if params.prompt_logprobs:  # this chunk's positions score the prompt tokens that follow them
-                targets = request.prompt_ids[start + 1: start + 1 + hidden.shape[1]]
-                scores += self._score_prompt(hidden[0, : len(targets)], targets, params.top_logprobs)
-            start += hidden.shape[1]
-        if params.prompt_logprobs:
-            request.prompt_logprobs = scores
-        return select_tokens(self.model.logits(hidden[:, -1]), [request])
+                targets = request.prompt_ids[start + 1: start + 1 + n]
+                scores[row] = self._score_prompt(hidden[row, : len(targets)], targets, request.params.top_logprobs)
+        done = [row for row, (request, start, n) in enumerate(zip(requests, starts, lengths))
+                if start + n == len(request.prompt_ids)]
+        choices = {}
+        if done:
+            rows, offsets = batch.last_index()
+            logits = self.model.logits(hidden[rows[done], offsets[done]])  # (done, V): each last prompt position
+            choices = dict(zip(done, select_tokens(logits, [requests[row] for row in done])))
+        for row, (request, n) in enumerate(zip(requests, lengths)):
+            request.prefilled += n
+            if row in scores:
+                request.prompt_logprobs = (request.prompt_logprobs or []) + scores[row]
+        return [choices.get(row) for row in range(len(requests))]
 
     def _score_prompt(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[Choice]:
         """hidden (m, hidden) of prompt positions -> the log-probability of each next prompt token in `targets`.

@@ -63,20 +63,21 @@ class Request:
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[Choice] | None = None  # filled at prefill when params.prompt_logprobs
     reused_tokens: int = 0  # leading prompt tokens its slot already held at admission (prefix caching)
+    prefilled: int = 0  # leading prompt tokens its slot holds: reused, then written chunk by chunk
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def prefill_tokens(self) -> int:
-        """Prompt tokens its prefill computes: those after the reused prefix."""
-        return len(self.prompt_ids) - self.reused_tokens
+    def prompt_left(self) -> int:
+        """Prompt tokens not yet written to its slot."""
+        return len(self.prompt_ids) - self.prefilled
 
     @property
     def cached_tokens(self) -> int:
         """Positions written to the cache: every token but the newest, which the next decode feeds."""
-        return self.num_tokens - 1 if self.output_ids else len(self.prompt_ids)
+        return self.num_tokens - 1 if self.output_ids else self.prefilled
 
     @property
     def text(self) -> str:

@@ -29,6 +29,7 @@ class Scheduler:
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
             request.slot, request.reused_tokens = self._best_slot(request)
+            request.prefilled = request.reused_tokens
             self.free_slots.remove(request.slot)
             self.kept[request.slot] = []  # overwritten from reused_tokens on; kept again at release
             request.status = Status.RUNNING

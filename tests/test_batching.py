@@ -132,3 +132,30 @@ def test_a_request_that_fails_ends_alone(make_engine):
         assert not any(isinstance(e, RequestFailed) for e in engine.step())
     alone = make_engine().generate(PROMPTS[:3], GREEDY)
     assert [r.output_ids for r in healthy] == [c.output_ids for c in alone]
+
+
+def test_a_long_prompt_is_written_one_chunk_per_step_while_running_streams_go_on(make_engine):
+    engine = make_engine(max_batch_size=2, max_seq_len=256, prefill_chunk_size=16)
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    running = engine.add_request([5, 6, 7], params)
+    engine.step()  # its prefill and first token
+    arriving = engine.add_request([(3 * i) % 300 + 5 for i in range(100)], params)
+    steps = []
+    while not arriving.output_ids:
+        events = engine.step()
+        steps.append(({e.request_id for e in events}, arriving.prefilled))
+    # 100 prompt tokens in chunks of 16: 7 steps, each also one decode step for the running stream.
+    assert [prefilled for _, prefilled in steps] == [16, 32, 48, 64, 80, 96, 100]
+    assert all(running.request_id in ids for ids, _ in steps)
+    assert [arriving.request_id in ids for ids, _ in steps] == [False] * 6 + [True]
+    assert len(running.output_ids) == 1 + len(steps)
+
+
+def test_short_prompts_join_a_pass_while_it_stays_within_one_chunk(make_engine):
+    engine = make_engine(max_batch_size=4, prefill_chunk_size=16)
+    params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    first, second, third = (engine.add_request(list(range(5, 5 + n)), params) for n in (6, 5, 7))
+    engine.step()  # 2 rows x 6 padded tokens fit in 16; a third row (3 x 7 = 21) waits for the next step
+    assert (len(first.output_ids), len(second.output_ids), len(third.output_ids)) == (1, 1, 0)
+    engine.step()
+    assert (len(first.output_ids), len(second.output_ids), len(third.output_ids)) == (2, 2, 1)
