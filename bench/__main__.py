@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -74,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="the server's --quantize")
     serve.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                        help="the server's --compile; with auto or on, timings start once its compile thread is done")
+
+    prefix = command("prefix", help="prefix caching on vs off over HTTP: a growing chat, one system prompt for many "
+                                     "users, and a long prompt arriving while a stream decodes")
+    prefix.add_argument("--model", default=None, help="model for the servers this starts (default: the default model)")
+    prefix.add_argument("--new-tokens", type=int, default=16)
+    prefix.add_argument("--dtype", default="auto")
+    prefix.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
+    prefix.add_argument("--compile", default="off", choices=["auto", "on", "off"])
 
     args = parser.parse_args(argv)
     if args.threads:

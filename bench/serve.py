@@ -38,8 +38,8 @@ def scrape(client: httpx.Client) -> dict[str, float]:
 
 
 @contextmanager
-def local_server(args: argparse.Namespace):
-    """`python -m server` on a free port, until the block ends; yields its URL."""
+def local_server(args: argparse.Namespace, extra: list[str] = ()):
+    """`python -m server` on a free port, until the block ends, with `extra` flags last; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -48,7 +48,7 @@ def local_server(args: argparse.Namespace):
                "--compile", args.compile]
     if args.model:
         command += ["--model", args.model]
-    command += ["--quantize", args.quantize]
+    command += ["--quantize", args.quantize, *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
         # The log lines that say the model is loaded and, when compiling, that the compile thread is done:

@@ -94,7 +94,7 @@ class Engine:
         slots = self._slots(model_config, max_seq_len)
         self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype)
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
-        self.scheduler = Scheduler(slots, config.prefix_caching)
+        self.scheduler = Scheduler(slots, config.prefix_caching, copy_min_tokens=config.prefill_chunk_size)
         self.executor = DecodeExecutor(model, self.rotary, self.cache)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -215,7 +215,9 @@ class Engine:
         Every request past its prefill gets exactly one new token per step, or fails alone (RequestFailed).
         """
         decoding = [r for r in self.scheduler.decoding() if r.output_ids]
-        self.scheduler.admit()
+        for request in self.scheduler.admit():
+            if request.copy_from is not None:  # a prefix a running request holds: copied, not computed
+                self.cache.copy_prefix(request.copy_from, request.slot, request.reused_tokens)
         events = self._prefill([r for r in self.scheduler.running.values() if not r.output_ids])  # oldest first
         if decoding:
             events += self._isolated(self._decode, decoding)

@@ -33,6 +33,10 @@ class KVCache:
         """(keys, values) of one layer, each (B, h_kv, T, d_h)."""
         return self.data[0, index], self.data[1, index]
 
+    def copy_prefix(self, source: int, target: int, positions: int) -> None:
+        """Slot `target`'s first `positions` entries become slot `source`'s, in every layer: one copy."""
+        self.data[:, :, target, :, :positions] = self.data[:, :, source, :, :positions]
+
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype

@@ -64,6 +64,7 @@ class Request:
     prompt_logprobs: list[Choice] | None = None  # filled at prefill when params.prompt_logprobs
     reused_tokens: int = 0  # leading prompt tokens its slot already held at admission (prefix caching)
     prefilled: int = 0  # leading prompt tokens its slot holds: reused, then written chunk by chunk
+    copy_from: int | None = None  # at admission: the running slot its reused tokens are copied from
 
     @property
     def num_tokens(self) -> int:

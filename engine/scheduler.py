@@ -2,7 +2,9 @@
 
 A slot keeps its tokens' K/V after its request ends. With prefix caching on, a new request takes the
 free slot whose kept tokens share the longest prefix with its prompt (ties, and no match: the least
-recently used slot), and prefill starts after the shared part.
+recently used slot), and prefill starts after the shared part. A prefix of at least `copy_min_tokens`
+that a running request holds is copied from its slot instead (one long system prompt, many users);
+while such a prefix is still being written, the new request waits for it rather than compute it again.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from engine.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, slots: int, prefix_caching: bool):
+    def __init__(self, slots: int, prefix_caching: bool, copy_min_tokens: int):
         self.prefix_caching = prefix_caching
+        self.copy_min_tokens = copy_min_tokens
         self.free_slots = list(range(slots))  # least recently used first
         self.kept: list[list[int]] = [[] for _ in range(slots)]  # per slot: the tokens its first positions hold
         self.waiting: deque[Request] = deque()
@@ -24,11 +27,17 @@ class Scheduler:
         self.waiting.append(request)
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into free slots, oldest first; each learns how many prompt tokens it reuses."""
+        """Move waiting requests into free slots, oldest first; each learns how many prompt tokens it reuses,
+        and from which running slot they are to be copied (`copy_from`), if not kept in its own."""
         admitted = []
-        while self.waiting and self.free_slots:
-            request = self.waiting.popleft()
-            request.slot, request.reused_tokens = self._best_slot(request)
+        for request in list(self.waiting):
+            if not self.free_slots:
+                break
+            plan = self._plan(request)
+            if plan is None:  # its prefix is being written by a running request: wait for it
+                continue
+            self.waiting.remove(request)
+            request.slot, request.reused_tokens, request.copy_from = plan
             request.prefilled = request.reused_tokens
             self.free_slots.remove(request.slot)
             self.kept[request.slot] = []  # overwritten from reused_tokens on; kept again at release
@@ -37,14 +46,27 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def _best_slot(self, request: Request) -> tuple[int, int]:
-        """(slot, prompt tokens it already holds). At least the last prompt token is always computed: its
-        output predicts the first new token. Prompt log-probabilities need every position computed."""
+    def _plan(self, request: Request) -> tuple[int, int, int | None] | None:
+        """(slot, prompt tokens reused, running slot to copy them from or None), or None to wait.
+
+        At least the last prompt token is always computed: its output predicts the first new token.
+        Prompt log-probabilities need every position computed.
+        """
         if not self.prefix_caching or request.params.prompt_logprobs:
-            return self.free_slots[0], 0
-        shared = {slot: common_prefix(self.kept[slot], request.prompt_ids) for slot in self.free_slots}
-        slot = max(self.free_slots, key=shared.__getitem__)  # the first of equals: least recently used
-        return slot, min(shared[slot], len(request.prompt_ids) - 1)
+            return self.free_slots[0], 0, None
+        prompt, most = request.prompt_ids, len(request.prompt_ids) - 1
+        kept = {slot: common_prefix(self.kept[slot], prompt) for slot in self.free_slots}
+        slot = max(self.free_slots, key=kept.__getitem__)  # the first of equals: least recently used
+        reused, source, coming = min(kept[slot], most), None, 0
+        for other in self.running.values():
+            shared = min(common_prefix(other.prompt_ids, prompt), most)  # what its prompt will write
+            written = min(shared, other.prefilled)
+            if written >= self.copy_min_tokens and written > reused:
+                reused, source = written, other.slot
+            coming = max(coming, shared)
+        if coming >= self.copy_min_tokens and coming > reused:
+            return None
+        return slot, reused, source
 
     def borrow(self) -> int:
         """A free slot to write scratch positions into (it stays free, and keeps nothing)."""

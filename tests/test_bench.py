@@ -66,3 +66,15 @@ def test_common_options_work_after_the_subcommand(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "after" / "memory.json").is_file()
+
+
+def test_prefix_caching_bench_counts_what_was_reused(tmp_path, model_dir):
+    bench(tmp_path, "prefix", "--model", str(model_dir("long")), "--dtype", "float32", "--new-tokens", "4")
+    results = json.loads((tmp_path / "prefix.json").read_text())["results"]
+    on, off = results["on"], results["off"]
+    assert [turn["cached_tokens"] for turn in off["chat"]] == [0] * len(off["chat"])
+    assert all(turn["cached_tokens"] > 0 for turn in on["chat"][1:])  # each turn resends the previous ones
+    assert on["shared"]["queried_tokens"] == off["shared"]["queried_tokens"] == off["shared"]["computed_tokens"]
+    # The system prompt is computed once, not once per user: with it alone, 4 users send about 4x.
+    assert on["shared"]["computed_tokens"] < 0.5 * off["shared"]["computed_tokens"]
+    assert on["arrival"]["gaps_during"] > 0 and (tmp_path / "prefix.png").stat().st_size > 0

@@ -119,3 +119,38 @@ def test_scratch_use_of_a_slot_forgets_what_it_kept(make_engine, reference):
     (completion,) = engine.generate([PROMPT], GREEDY)
     assert completion.reused_prompt_tokens == 0
     assert completion.output_ids == reference(PROMPT)
+
+
+def test_a_prefix_held_by_a_running_request_is_copied_from_its_slot(make_engine, reference):
+    engine = make_engine(max_batch_size=3, prefill_chunk_size=16)
+    system = PROMPT[:32]
+    first = engine.add_request(system + [1, 2, 3, 4], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.step()  # 36 prompt tokens in chunks of 16: written, and decoding
+    assert first.output_ids and first.slot is not None
+    second_prompt = system + [9, 8, 7]
+    second = engine.add_request(second_prompt, GREEDY)
+    engine.step()
+    assert (second.copy_from, second.reused_tokens) == (first.slot, 32)
+    while not (first.finished and second.finished):
+        engine.step()
+    assert second.output_ids == reference(second_prompt)
+    assert first.output_ids == reference(system + [1, 2, 3, 4], 30)
+
+
+def test_a_request_waits_for_a_shared_prefix_being_written_rather_than_compute_it(make_engine, reference):
+    engine = make_engine(max_batch_size=3, prefill_chunk_size=16)
+    system = PROMPT[:40]
+    prompts = [system + [1, 2, 3, 4, 5, 6, 7, 8], system + [9, 8, 7]]
+    first, second = (engine.add_request(p, GREEDY) for p in prompts)
+    admitted_at = None
+    for step in range(1, 5):
+        engine.step()
+        if admitted_at is None and second.slot is not None:
+            admitted_at = step
+    # first writes 16, 32, 48 tokens in steps 1-3; second is admitted once the 40 shared ones are written
+    assert admitted_at == 4 and (second.copy_from, second.reused_tokens) == (first.slot, 40)
+    while not (first.finished and second.finished):
+        engine.step()
+    assert [first.output_ids, second.output_ids] == [reference(p) for p in prompts]
