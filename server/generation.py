@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -117,6 +118,39 @@ def start(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params:
         raise APIError(503, str(e), "unavailable", {"Retry-After": "5"}) from None
     metrics.prompt_tokens.inc(len(prompt_ids))
     return Generation(runner, metrics, stream)
+
+
+def start_sequences(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params: SamplingParams,
+                    n: int, name: str) -> list[Generation]:
+    """n sequences of one prompt (OpenAI's `n`, TGI's `best_of`), all admitted or none. Sequence i samples
+    with seed + i when a seed is given (so sequence 0 is what the request alone gives), else with a seed of
+    its own. They share the prompt: prefix caching computes it once when it is at least a prefill chunk long
+    (shorter ones share one batched prefill pass)."""
+    slots = runner.engine.cache.slots
+    if n > slots:
+        raise APIError(422, f"{name}={n} exceeds the server's {slots} sequence slots (--max-batch-size): "
+                            "the sequences are decoded side by side", "validation")
+    gens: list[Generation] = []
+    try:
+        for i in range(n):
+            seed = None if params.seed is None else params.seed + i
+            gens.append(start(runner, metrics, prompt_ids, dataclasses.replace(params, seed=seed)))
+    except APIError:
+        for gen in gens:
+            runner.release(gen.stream)
+        raise
+    return gens
+
+
+async def complete_all(gens: list[Generation], request: Request) -> None:
+    """Every sequence to its end; if one fails, the others are released and the failure raised."""
+    tasks = [asyncio.ensure_future(gen.complete(request)) for gen in gens]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task, gen in zip(tasks, gens):
+            task.cancel()
+            gen.runner.release(gen.stream)
 
 
 def validated(build):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import uuid
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -41,20 +42,55 @@ class StopTrimmer:
         return piece
 
 
-def usage(gen: generation.Generation) -> dict:
-    prompt, completion = len(gen.stream.prompt_ids), len(gen.events)
+def usage(gens: list[generation.Generation]) -> dict:
+    """One prompt for all choices; the tokens of every choice."""
+    prompt, completion = len(gens[0].stream.prompt_ids), sum(len(g.events) for g in gens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": gen.reused_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": gens[0].reused_prompt_tokens}}
 
 
 def model_name(request: Request) -> str:
     return request.app.state.settings.served_model_name
 
 
-def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None, default: int):
+def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None,
+          default: int) -> list[generation.Generation]:
     runner, metrics = request.app.state.runner, request.app.state.metrics
     params = generation.validated(lambda: body.sampling(max_tokens, default))
-    return generation.start(runner, metrics, prompt_ids, params)
+    return generation.start_sequences(runner, metrics, prompt_ids, params, body.n, "n")
+
+
+async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """The items of several async iterators as they come; the first exception ends all of them."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(stream: AsyncIterator[dict]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        except Exception as e:  # handed to the consumer, which raises it
+            await queue.put(e)
+        await queue.put(finished)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is finished:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:  # a client gone, or a choice failed: the other choices stop, and release their slots
+        for task in tasks:
+            task.cancel()
 
 
 def completion_logprobs(entries: list[tuple[str, float | None, dict | None]], offset: int, alternatives: int) -> dict:
@@ -95,23 +131,31 @@ def chat_logprobs(events: list[TokenEvent], tokenizer: Tokenizer) -> dict:
                         for e in events]}
 
 
-async def openai_stream(gen: generation.Generation, body: OpenAISampling, make_chunk, include_usage: bool,
-                        lead: Callable[[TokenEvent], dict] | None = None):
-    """SSE chunks of a generation; `lead(first_event)`, when given, is one chunk sent before the generated text."""
+async def choice_chunks(gen: generation.Generation, body: OpenAISampling, make_chunk,
+                        lead: Callable[[TokenEvent], dict] | None) -> AsyncIterator[dict]:
+    """The chunks of one choice; `lead(first_event)`, when given, is one chunk sent before the generated text."""
     trimmer = StopTrimmer(body.stops)
     pending: list[TokenEvent] = []  # tokens whose text is held back still owe their logprobs to the next chunk
+    async for event in gen:
+        if lead is not None and event.index == 0:
+            yield lead(event)
+        pending.append(event)
+        piece = trimmer.push(event)
+        finish = OPENAI_FINISH[event.finish_reason] if event.finish_reason else None
+        if piece or finish:
+            yield make_chunk(piece, finish, pending)
+            pending = []
+
+
+async def openai_stream(gens: list[generation.Generation], body: OpenAISampling, chunk_maker, include_usage: bool,
+                        lead_maker: Callable[[int], Callable[[TokenEvent], dict]] | None = None):
+    """SSE chunks of every choice as they come; chunk_maker(i) and lead_maker(i) build choice i's chunks."""
     try:
-        async for event in gen:
-            if lead is not None and event.index == 0:
-                yield sse.event(lead(event))
-            pending.append(event)
-            piece = trimmer.push(event)
-            finish = OPENAI_FINISH[event.finish_reason] if event.finish_reason else None
-            if piece or finish:
-                yield sse.event(make_chunk(piece, finish, pending))
-                pending = []
+        chunks = [choice_chunks(gen, body, chunk_maker(i), lead_maker and lead_maker(i)) for i, gen in enumerate(gens)]
+        async for chunk in merged(chunks):
+            yield sse.event(chunk)
         if include_usage:
-            yield sse.event(make_chunk(None, None, []) | {"choices": [], "usage": usage(gen)})
+            yield sse.event(chunk_maker(0)(None, None, []) | {"choices": [], "usage": usage(gens)})
     except APIError as e:
         yield sse.event(error_body("/v1", e.status, e.message, e.error_type))
     yield sse.event("[DONE]")
@@ -141,38 +185,49 @@ def create_router() -> APIRouter:
         else:  # token ids, as vLLM takes them: echoed as their text
             prompt_ids = generation.checked_token_ids(runner, body.prompt)
             prompt_text = runner.engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        gen = admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
+        gens = admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
         ident, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
         want_logprobs, tokenizer = body.logprobs is not None, runner.engine.tokenizer
-        offset = len(prompt_text) if body.echo else 0  # where the next token's text starts in the returned text
 
-        def chunk(text, finish, events, logprobs=None):
-            nonlocal offset
-            if logprobs is None and want_logprobs and events:
-                logprobs = completion_logprobs(generated_entries(events, tokenizer), offset, body.top_alternatives)
-                offset += sum(len(e.text) for e in events)
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
-            return {"id": ident, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
+        def chunk_maker(index: int):
+            offset = len(prompt_text) if body.echo else 0  # where the next token's text starts in the returned text
 
-        def echoed(first: TokenEvent) -> dict:
-            """The prompt as the first chunk of the answer, with its tokens' logprobs when asked."""
-            logprobs = None
-            if want_logprobs:
-                logprobs = completion_logprobs(prompt_entries(prompt_ids, first, tokenizer), 0, body.top_alternatives)
-            return chunk(prompt_text, None, [], logprobs)
+            def chunk(text, finish, events, logprobs=None):
+                nonlocal offset
+                if logprobs is None and want_logprobs and events:
+                    logprobs = completion_logprobs(generated_entries(events, tokenizer), offset, body.top_alternatives)
+                    offset += sum(len(e.text) for e in events)
+                choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+                return {"id": ident, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
+
+            return chunk
+
+        def echo_maker(index: int):
+            def echoed(first: TokenEvent) -> dict:
+                """The prompt as the first chunk of the answer, with its tokens' logprobs when asked."""
+                logprobs = None
+                if want_logprobs:
+                    logprobs = completion_logprobs(prompt_entries(prompt_ids, first, tokenizer), 0, body.top_alternatives)
+                return chunk_maker(index)(prompt_text, None, [], logprobs)
+
+            return echoed
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return sse_response(openai_stream(gen, body, chunk, include_usage, echoed if body.echo else None))
-        await gen.complete(request)
-        text = "".join(StopTrimmer(body.stops).push(e) for e in gen.events)
-        result = chunk(text, OPENAI_FINISH[gen.events[-1].finish_reason], gen.events)
-        if body.echo:  # the prompt's chunk and the generated one, joined
-            lead, choice = echoed(gen.events[0])["choices"][0], result["choices"][0]
-            choice["text"] = lead["text"] + choice["text"]
-            if want_logprobs:
-                choice["logprobs"] = joined(lead["logprobs"], choice["logprobs"])
-        return JSONResponse(result | {"usage": usage(gen)})
+            return sse_response(openai_stream(gens, body, chunk_maker, include_usage, echo_maker if body.echo else None))
+        await generation.complete_all(gens, request)
+        choices = []
+        for index, gen in enumerate(gens):
+            text = "".join(StopTrimmer(body.stops).push(e) for e in gen.events)
+            choice = chunk_maker(index)(text, OPENAI_FINISH[gen.events[-1].finish_reason], gen.events)["choices"][0]
+            if body.echo:  # the prompt's chunk and the generated one, joined
+                lead = echo_maker(index)(gen.events[0])["choices"][0]
+                choice["text"] = lead["text"] + choice["text"]
+                if want_logprobs:
+                    choice["logprobs"] = joined(lead["logprobs"], choice["logprobs"])
+            choices.append(choice)
+        return JSONResponse({"id": ident, "object": "text_completion", "created": created, "model": name,
+                             "choices": choices, "usage": usage(gens)})
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -184,29 +239,33 @@ def create_router() -> APIRouter:
             raise APIError(422, f"the chat template could not render these messages: {e}", "validation") from None
         prompt_ids = generation.tokenize_prompt(runner, prompt, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        gen = admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
+        gens = admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
         ident, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
-        first = True
 
-        def chunk(text, finish, events):
-            nonlocal first
-            delta = {} if text is None else {"content": text}
-            if first and text is not None:
-                delta, first = {"role": "assistant", **delta}, False
-            choice = {"index": 0, "delta": delta, "finish_reason": finish,
-                      "logprobs": chat_logprobs(events, runner.engine.tokenizer) if body.logprobs and events else None}
-            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": name,
-                    "choices": [choice]}
+        def chunk_maker(index: int):
+            first = True
+
+            def chunk(text, finish, events):
+                nonlocal first
+                delta = {} if text is None else {"content": text}
+                if first and text is not None:
+                    delta, first = {"role": "assistant", **delta}, False
+                logprobs = chat_logprobs(events, runner.engine.tokenizer) if body.logprobs and events else None
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+                return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": name,
+                        "choices": [choice]}
+
+            return chunk
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return sse_response(openai_stream(gen, body, chunk, include_usage))
-        await gen.complete(request)
-        text = "".join(StopTrimmer(body.stops).push(e) for e in gen.events)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": chat_logprobs(gen.events, runner.engine.tokenizer) if body.logprobs else None,
-                  "finish_reason": OPENAI_FINISH[gen.events[-1].finish_reason]}
+            return sse_response(openai_stream(gens, body, chunk_maker, include_usage))
+        await generation.complete_all(gens, request)
+        choices = [{"index": index, "message": {"role": "assistant",
+                                                "content": "".join(StopTrimmer(body.stops).push(e) for e in gen.events)},
+                    "logprobs": chat_logprobs(gen.events, runner.engine.tokenizer) if body.logprobs else None,
+                    "finish_reason": OPENAI_FINISH[gen.events[-1].finish_reason]} for index, gen in enumerate(gens)]
         return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": name,
-                             "choices": [choice], "usage": usage(gen)})
+                             "choices": choices, "usage": usage(gens)})
 
     return router

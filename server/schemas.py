@@ -39,8 +39,8 @@ class TGIParameters(Strict):
     truncate: int | None = Field(default=None, ge=1)
     top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     decoder_input_details: bool = False  # the prompt tokens with their logprobs, in details.prefill
+    best_of: int | None = Field(default=None, ge=1)  # sample this many, return the likeliest (not streamed)
     # TGI fields kvserve does not implement: their neutral values only.
-    best_of: int | None = None
     watermark: bool = False
     typical_p: float | None = None
     grammar: Any = None
@@ -48,19 +48,24 @@ class TGIParameters(Strict):
 
     @model_validator(mode="after")
     def _neutral(self):
-        unsupported(self, {"best_of": (None, 1), "watermark": (False,), "typical_p": (None, 1.0),
+        if (self.best_of or 1) > 1 and not self.samples:
+            raise ValueError("best_of > 1 needs sampling (do_sample: true): greedy sequences would all be the same")
+        unsupported(self, {"watermark": (False,), "typical_p": (None, 1.0),
                            "grammar": (None,),
                            "adapter_id": (None, "")})
         return self
 
-    def sampling(self, default_max_new_tokens: int) -> SamplingParams:
-        # As TGI: sampling when asked, or when any warper is set; otherwise greedy.
+    @property
+    def samples(self) -> bool:
+        """As TGI: sampling when asked, or when any warper is set; otherwise greedy."""
         warped = (self.temperature not in (None, 1.0) or max(self.top_k or 0, 0) > 0 or (self.top_p or 1.0) < 1
                   or (self.min_p or 0) > 0)
-        sample = (self.do_sample or warped) and self.temperature != 0
+        return (self.do_sample or warped) and self.temperature != 0
+
+    def sampling(self, default_max_new_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=self.max_new_tokens or default_max_new_tokens,
-            temperature=(self.temperature if self.temperature is not None else 1.0) if sample else 0.0,
+            temperature=(self.temperature if self.temperature is not None else 1.0) if self.samples else 0.0,
             top_k=max(self.top_k or 0, 0),
             top_p=self.top_p if self.top_p is not None else 1.0,
             min_p=self.min_p or 0.0,
@@ -97,7 +102,7 @@ class OpenAISampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # choices: n sequences of one prompt, seeds seed, seed + 1, ...
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -114,8 +119,6 @@ class OpenAISampling(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: kvserve returns one choice per request (n=1)")
         unsupported(self, {"logit_bias": (None, {})})
         return self
 

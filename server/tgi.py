@@ -47,7 +47,8 @@ def details(gen: generation.Generation, input_length: int, with_tokens: bool, to
     return body
 
 
-def admit(body: GenerateRequest, request: Request) -> tuple[generation.Generation, str]:
+def admit(body: GenerateRequest, request: Request) -> tuple[list[generation.Generation], str]:
+    """The request's sequences (best_of of them, else one) and the text its answers start with."""
     runner, metrics = request.app.state.runner, request.app.state.metrics
     prompt_ids = generation.tokenize_prompt(runner, body.inputs)
     if body.parameters.truncate:
@@ -55,7 +56,13 @@ def admit(body: GenerateRequest, request: Request) -> tuple[generation.Generatio
     default = max(1, min(DEFAULT_MAX_NEW_TOKENS, generation.room(runner, prompt_ids)))
     params = generation.validated(lambda: body.parameters.sampling(default))
     prefix = body.inputs if body.parameters.return_full_text else ""
-    return generation.start(runner, metrics, prompt_ids, params), prefix
+    n = body.parameters.best_of or 1
+    return generation.start_sequences(runner, metrics, prompt_ids, params, n, "best_of"), prefix
+
+
+def likeliest(gens: list[generation.Generation]) -> generation.Generation:
+    """TGI's best_of choice: the highest sum of log-probabilities of the generated tokens."""
+    return max(gens, key=lambda gen: sum(e.logprob for e in gen.events))
 
 
 async def stream_events(gen: generation.Generation, prefix: str, want_details: bool, tokenizer: Tokenizer):
@@ -81,18 +88,26 @@ def create_router() -> APIRouter:
     async def generate(body: GenerateRequest, request: Request):
         if body.stream or "text/event-stream" in request.headers.get("accept", ""):
             return await generate_stream(body, request)
-        gen, prefix = admit(body, request)
-        await gen.complete(request)
-        result = {"generated_text": prefix + gen.text}
+        gens, prefix = admit(body, request)
+        await generation.complete_all(gens, request)
+        best, tokenizer = likeliest(gens), request.app.state.runner.engine.tokenizer
+        result = {"generated_text": prefix + best.text}
         if body.parameters.details:
-            result["details"] = details(gen, len(gen.stream.prompt_ids), True, request.app.state.runner.engine.tokenizer)
+            input_length = len(best.stream.prompt_ids)
+            result["details"] = details(best, input_length, True, tokenizer)
+            if len(gens) > 1:
+                result["details"]["best_of_sequences"] = [
+                    {"generated_text": prefix + gen.text} | details(gen, input_length, True, tokenizer)
+                    for gen in gens if gen is not best]
         return JSONResponse(result)
 
     @router.post("/generate_stream")
     async def generate_stream(body: GenerateRequest, request: Request):
         if body.parameters.decoder_input_details:  # TGI's rule: stream events carry no prefill details
             raise APIError(422, "decoder_input_details is not supported when streaming tokens", "validation")
-        gen, prefix = admit(body, request)
+        if (body.parameters.best_of or 1) > 1:  # TGI's rule too: the likeliest is known only at the end
+            raise APIError(422, "best_of > 1 is not supported when streaming tokens", "validation")
+        (gen,), prefix = admit(body, request)
         events = stream_events(gen, prefix, body.parameters.details, request.app.state.runner.engine.tokenizer)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

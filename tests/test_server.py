@@ -289,7 +289,8 @@ BAD_INPUTS = [
     ("unsupported tgi field", "/generate", {"inputs": "hi", "parameters": {"watermark": True}}, 422, "not supported"),
     ("too long prompt", "/generate", {"inputs": "word " * 600, "parameters": {"max_new_tokens": 4}}, 422, "max_seq_len = 512"),
     ("non utf-8 bytes", "/generate", b'{"inputs": "\xff\xfe"}', 422, "JSON"),
-    ("openai n=2", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=2 is not supported"),
+    ("openai n above the slots", "/v1/completions", {"prompt": "hi", "n": 5}, 400, "n=5 exceeds the server's 4 sequence slots"),
+    ("openai n=0", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
     ("openai bad temperature", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ("openai empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("top_logprobs without logprobs", "/v1/chat/completions",
@@ -338,8 +339,9 @@ def test_huge_body_is_refused_with_413(server):
         assert chunked.status_code == 413
 
 
-def test_dropped_streams_free_their_slots(server):
-    body = {"prompt": PROMPTS[6], "stream": True, "max_tokens": 480, "ignore_eos": True}
+@pytest.mark.parametrize("n", [1, 3])
+def test_dropped_streams_free_their_slots(server, n):
+    body = {"prompt": PROMPTS[6], "stream": True, "max_tokens": 480, "ignore_eos": True, "n": n}
     for _ in range(4):
         with httpx.Client(base_url=server.url, timeout=60) as client:
             with connect_sse(client, "POST", "/v1/completions", json=body) as source:
@@ -538,3 +540,46 @@ def test_a_repeated_conversation_reuses_its_prefix_and_says_so(server, offline):
     assert again.json()["details"]["cached_input_tokens"] == again.json()["details"]["input_length"] - 1
     assert again.json()["generated_text"] == tgi.json()["generated_text"]
     assert httpx.get(f"{server.url}/info").json()["prefix_caching"] is True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_each_equal_their_seed_alone(server, stream):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    settings = dict(model="kvserve", prompt=PROMPTS[4], max_tokens=8, temperature=1.0, seed=7)
+
+    def texts(response) -> dict[int, str]:
+        if not stream:
+            return {c.index: c.text for c in response.choices}
+        out: dict[int, str] = {}
+        for chunk in response:
+            for c in chunk.choices:
+                out[c.index] = out.get(c.index, "") + c.text
+        return out
+
+    three = texts(client.completions.create(n=3, stream=stream, **settings))
+    again = texts(client.completions.create(n=3, stream=stream, **settings))
+    alone = {i: client.completions.create(**settings | {"seed": 7 + i}).choices[0].text for i in range(3)}
+    assert three == again == alone
+    assert len(set(three.values())) > 1  # three draws, not one answer three times
+    chat = client.chat.completions.create(model="kvserve", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.finish_reason == "length" for c in chat.choices)
+    assert chat.usage.completion_tokens == 2 * 4  # both choices' tokens; the prompt once
+
+
+def test_best_of_returns_the_likeliest_of_its_seeds(server):
+    parameters = {"max_new_tokens": 6, "do_sample": True, "seed": 11, "details": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        best = client.post("/generate", json={"inputs": PROMPTS[5], "parameters": parameters | {"best_of": 3}}).json()
+        alone = [client.post("/generate", json={"inputs": PROMPTS[5], "parameters": parameters | {"seed": 11 + i}}).json()
+                 for i in range(3)]
+        streamed = client.post("/generate_stream", json={"inputs": "x", "parameters": parameters | {"best_of": 2}})
+        greedy = client.post("/generate", json={"inputs": "x", "parameters": {"best_of": 2}})
+    total = [sum(t["logprob"] for t in a["details"]["tokens"]) for a in alone]
+    assert best["generated_text"] == alone[total.index(max(total))]["generated_text"]
+    others = sorted(s["generated_text"] for s in best["details"]["best_of_sequences"])
+    assert others == sorted(a["generated_text"] for i, a in enumerate(alone) if i != total.index(max(total)))
+    assert streamed.status_code == 422 and "best_of > 1 is not supported when streaming" in streamed.json()["error"]
+    assert greedy.status_code == 422 and "best_of > 1 needs sampling" in greedy.json()["error"]
