@@ -45,13 +45,12 @@ def build(settings: Settings, argv: list[str] | None = None) -> Server:
     def load() -> Engine:
         from weights.resolve import resolve_model
 
-        try:
-            path = resolve_model(settings.model)
-            logging.getLogger("kvserve").info("loading %s", path)
-            return Engine.from_pretrained(path, settings.engine_config())
-        except Exception:
-            server.should_exit = True  # a server without a model serves nobody: stop, and exit 1
-            raise
+        path = resolve_model(settings.model)
+        logging.getLogger("kvserve").info("loading %s", path)
+        return Engine.from_pretrained(path, settings.engine_config())
+
+    def stop() -> None:  # a server without a model, or without its engine loop, serves nobody: exit 1
+        server.should_exit = True
 
     def warm_compile_cache() -> None:
         # A child process with the same flags and environment compiles first: see server/compile_cache.py.
@@ -64,7 +63,7 @@ def build(settings: Settings, argv: list[str] | None = None) -> Server:
             logging.getLogger("kvserve").warning("compiling in a child process failed (compiling in-process "
                                                  "instead): %s", errors.strip()[-2000:])
 
-    runner = EngineRunner(load, max_queue=settings.max_queue, warm_compile_cache=warm_compile_cache)
+    runner = EngineRunner(load, max_queue=settings.max_queue, warm_compile_cache=warm_compile_cache, on_failure=stop)
     app = create_app(runner, settings)  # the model loads in the background: /health answers 503 until ready
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=10)
     server = Server(config, runner)
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     for child in server.children:
         child.kill()
-    return 1 if server.runner.load_error else 0
+    return 1 if server.runner.failure else 0
 
 
 if __name__ == "__main__":

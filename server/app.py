@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 from contextlib import asynccontextmanager
 
@@ -43,8 +44,8 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
     async def health():
         if runner.ready:
             return {"status": "ok"}
-        status = "failed" if runner.load_error else "loading"
-        return JSONResponse({"status": status, "error": runner.load_error}, status_code=503)
+        status = "failed" if runner.failure else "loading"
+        return JSONResponse({"status": status, "error": runner.failure}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -118,9 +119,16 @@ def describe(e: RequestValidationError) -> str:
 
 
 def install_api_key(app: FastAPI, key: str, metrics: Metrics) -> None:
+    expected = key.encode()
+
+    def authorized(header: str | None) -> bool:
+        """'Bearer KEY', the scheme in any case (RFC 7235); the key compared in constant time."""
+        scheme, _, credentials = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), expected)
+
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if request.url.path in OPEN_PATHS or request.headers.get("authorization") == f"Bearer {key}":
+        if request.url.path in OPEN_PATHS or authorized(request.headers.get("authorization")):
             return await call_next(request)
         metrics.failures.labels(reason="unauthorized").inc()
         return error_response(request.url.path, 401, "missing or wrong API key (send 'Authorization: Bearer KEY')",

@@ -98,7 +98,7 @@ def checked_token_ids(runner: EngineRunner, ids: list[int]) -> list[int]:
 
 def ensure_ready(runner: EngineRunner) -> None:
     if not runner.ready:
-        raise APIError(503, runner.load_error or "the model is still loading; retry shortly", "unavailable",
+        raise APIError(503, runner.failure or "the model is still loading; retry shortly", "unavailable",
                        {"Retry-After": "5"})
 
 

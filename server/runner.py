@@ -87,12 +87,13 @@ class Stream:
 
 class EngineRunner:
     def __init__(self, load: Callable[[], Engine], max_queue: int = 64,
-                 warm_compile_cache: Callable[[], None] | None = None):
+                 warm_compile_cache: Callable[[], None] | None = None, on_failure: Callable[[], None] | None = None):
         self._load = load
         self._warm_compile_cache = warm_compile_cache  # runs before the compile thread compiles in-process
+        self._on_failure = on_failure  # called (on the loop thread) once the runner can serve nobody
         self.max_queue = max_queue
         self.engine: Engine | None = None
-        self.load_error: str | None = None
+        self.failure: str | None = None  # why nothing can be served: the model did not load, or the loop died
         self.snapshot = Snapshot()
         self.weights_bytes = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -113,8 +114,11 @@ class EngineRunner:
 
     def end_streams(self) -> None:
         """End every open stream with a failure event (their requests are aborted as they close)."""
+        self._end_streams("the server is shutting down", 503, "unavailable")
+
+    def _end_streams(self, message: str, status: int, error_type: str) -> None:
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(Failure("the server is shutting down", 503, "unavailable"))
+            stream.queue.put_nowait(Failure(message, status, error_type))
 
     def end_streams_threadsafe(self) -> None:
         if self._loop is not None:
@@ -129,7 +133,7 @@ class EngineRunner:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self.engine is not None
+        return self._ready.is_set() and self.engine is not None and self.failure is None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
@@ -152,7 +156,7 @@ class EngineRunner:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
         if not self.ready:
-            raise NotReady(self.load_error or "the model is still loading")
+            raise NotReady(self.failure or "the model is still loading")
         if self.waiting >= self.max_queue and self._active >= self.engine.cache.slots:
             raise Overloaded(f"{self.waiting} requests are already waiting (max_queue = {self.max_queue})")
         stream = Stream(f"req-{uuid.uuid4().hex[:16]}", prompt_ids, params, time.perf_counter())
@@ -182,14 +186,30 @@ class EngineRunner:
             self.engine = self._load()
             self.weights_bytes = self.engine.weights_bytes  # fixed once loaded: counted here, not per step
         except Exception as e:  # reported by /health and every request, never a crash
-            self.load_error = f"the model failed to load: {type(e).__name__}: {e}"
-            log.error(self.load_error)
-            self._ready.set()
+            self._fail(f"the model failed to load: {type(e).__name__}: {e}")
             return
         self._update_snapshot()
         self._ready.set()
         log.info("ready: %d slots x %d tokens", self.engine.cache.slots, self.engine.max_seq_len)
         threading.Thread(target=self._compile, name="kvserve-compile", daemon=True).start()
+        try:
+            self._serve()
+        except BaseException as e:  # a bug outside a step: nothing would serve the requests it accepts
+            log.critical("the engine loop stopped:\n%s", traceback.format_exc())
+            self._fail(f"the engine loop stopped: {type(e).__name__}: {e}")
+
+    def _fail(self, message: str) -> None:
+        """From now on /health is 503 and requests are refused; open streams end with `message`; the owner
+        is told (the server exits non-zero, so a supervisor restarts it)."""
+        self.failure = message
+        log.error(message)
+        self._ready.set()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._end_streams, message, 500, "internal")
+        if self._on_failure is not None:
+            self._on_failure()
+
+    def _serve(self) -> None:
         while self._drain_commands(block=not self.engine.has_work):
             step_started = time.perf_counter()
             try:

@@ -42,7 +42,7 @@ def serve(model: Path, load=None, wait: bool = True, **settings):
     thread.start()
     try:
         if wait:
-            assert runner.wait_ready(120) and runner.ready, runner.load_error
+            assert runner.wait_ready(120) and runner.ready, runner.failure
         yield RunningServer(runner, f"http://127.0.0.1:{port}", config)
     finally:
         server.should_exit = True
@@ -56,9 +56,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_subprocess(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
-    """`python -m server ARGS`; returns once it logs that the model is loaded, with the lines it printed."""
-    process = subprocess.Popen([sys.executable, "-m", "server", *args], stdout=subprocess.PIPE,
+def start_subprocess(*args: str, env: dict | None = None,
+                     program: tuple[str, ...] = ("-m", "server")) -> tuple[subprocess.Popen, list[str]]:
+    """`python -m server ARGS` (or another `program` taking those ARGS); returns once it logs that the model is
+    loaded, with the lines it printed."""
+    process = subprocess.Popen([sys.executable, *program, *args], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env or dict(os.environ))
     lines = []
     for line in process.stdout:  # blocking reads: the log is the synchronisation

@@ -396,6 +396,10 @@ def test_api_key_is_required_when_set(model_dir):
         allowed = httpx.post(f"{running.url}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}},
                              headers={"Authorization": "Bearer sekret"}, timeout=60)
         assert allowed.status_code == 200
+        for header in ("bearer sekret", "BEARER sekret"):  # the scheme is case-insensitive (RFC 7235)
+            assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": header}).status_code == 200
+        for header in ("Bearer sekre", "Bearer sekret2", "Basic sekret", "sekret", "Bearer SEKRET"):
+            assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": header}).status_code == 401
 
 
 def test_health_is_503_while_loading(model_dir):

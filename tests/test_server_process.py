@@ -35,3 +35,44 @@ def test_cli_serves_then_exits_zero_on_sigterm_mid_stream(model_dir):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# The server as `python -m server` runs it, with one fault injected into its engine loop thread: bookkeeping
+# outside any engine step raises once a request has 3 tokens, as a bug there would.
+FAULTY_SERVER = """
+import sys
+from server import __main__ as server_main
+from server.runner import EngineRunner
+
+publish = EngineRunner._update_snapshot
+
+def faulty(self):
+    publish(self)
+    if any(len(r.output_ids) >= 3 for r in self.engine.requests.values()):
+        raise RuntimeError("injected fault")
+
+EngineRunner._update_snapshot = faulty
+sys.exit(server_main.main(sys.argv[1:]))
+"""
+
+
+def test_a_dead_engine_loop_ends_streams_and_exits_non_zero(model_dir):
+    port = free_port()
+    env = dict(os.environ, KVSERVE_COMPILE="off")
+    process, lines = start_subprocess("--model", str(model_dir("long")), "--port", str(port), "--device", "cpu",
+                                      "--dtype", "float32", env=env, program=("-c", FAULTY_SERVER))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health").status_code == 200
+        body = {"prompt": "hi", "stream": True, "max_tokens": 50, "ignore_eos": True}
+        with httpx.Client(base_url=url, timeout=60) as client, connect_sse(client, "POST", "/v1/completions", json=body) as source:
+            events = [e.data for e in source.iter_sse()]
+        assert events[-1] == "[DONE]"
+        assert "the engine loop stopped: RuntimeError: injected fault" in json.loads(events[-2])["error"]["message"]
+        assert process.wait(60) == 1  # a supervisor sees the failure and restarts it
+        output = process.stdout.read()
+        assert "the engine loop stopped" in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
