@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -41,13 +42,23 @@ class Tokenizer:
         template = ChatTemplate(template_text, bos_token=bos_token or "", eos_token=eos_token or "") if template_text else None
         return cls(backend, tuple(dict.fromkeys(eos_ids)), bos_token, template, eos_token)
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text, in characters (byte-level tokens: in bytes, which is no fewer)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)))
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As `tokenizer(text)` in transformers: the post-processor adds BOS where the checkpoint says so."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encoding(text, add_special_tokens).ids
+
+    def encoding(self, text: str, add_special_tokens: bool = True):
+        """The backend's Encoding (ids, offsets). Through `encode_batch`, which releases the GIL while it works
+        (`encode` holds it: a megabyte of text would stop every other thread for most of a second)."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

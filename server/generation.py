@@ -81,9 +81,15 @@ class Generation:
         self.stream.queue.put_nowait(Failure("client disconnected", 499, "client_disconnect"))
 
 
-def tokenize_prompt(runner: EngineRunner, text: str, add_special_tokens: bool = True) -> list[int]:
+async def tokenize_prompt(runner: EngineRunner, text: str, add_special_tokens: bool = True) -> list[int]:
+    """The prompt's ids, tokenized on a worker thread (a long text takes seconds, and the event loop serves every
+    stream); a text too long to fit the context whatever its tokens is refused before any work."""
     ensure_ready(runner)
-    ids = runner.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    engine = runner.engine
+    if len(text) > engine.max_seq_len * engine.tokenizer.max_token_chars:
+        raise APIError(422, f"the prompt has {len(text)} characters, more than any {engine.max_seq_len} tokens "
+                            f"(max_seq_len) hold", "validation")
+    ids = await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
     if not ids:
         raise APIError(422, "the prompt is empty after tokenization", "validation")
     return ids

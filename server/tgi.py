@@ -47,10 +47,10 @@ def details(gen: generation.Generation, input_length: int, with_tokens: bool, to
     return body
 
 
-def admit(body: GenerateRequest, request: Request) -> tuple[list[generation.Generation], str]:
+async def admit(body: GenerateRequest, request: Request) -> tuple[list[generation.Generation], str]:
     """The request's sequences (best_of of them, else one) and the text its answers start with."""
     runner, metrics = request.app.state.runner, request.app.state.metrics
-    prompt_ids = generation.tokenize_prompt(runner, body.inputs)
+    prompt_ids = await generation.tokenize_prompt(runner, body.inputs)
     if body.parameters.truncate:
         prompt_ids = prompt_ids[-body.parameters.truncate:]
     default = max(1, min(DEFAULT_MAX_NEW_TOKENS, generation.room(runner, prompt_ids)))
@@ -88,7 +88,7 @@ def create_router() -> APIRouter:
     async def generate(body: GenerateRequest, request: Request):
         if body.stream or "text/event-stream" in request.headers.get("accept", ""):
             return await generate_stream(body, request)
-        gens, prefix = admit(body, request)
+        gens, prefix = await admit(body, request)
         await generation.complete_all(gens, request)
         best, tokenizer = likeliest(gens), request.app.state.runner.engine.tokenizer
         result = {"generated_text": prefix + best.text}
@@ -107,7 +107,7 @@ def create_router() -> APIRouter:
             raise APIError(422, "decoder_input_details is not supported when streaming tokens", "validation")
         if (body.parameters.best_of or 1) > 1:  # TGI's rule too: the likeliest is known only at the end
             raise APIError(422, "best_of > 1 is not supported when streaming tokens", "validation")
-        (gen,), prefix = admit(body, request)
+        (gen,), prefix = await admit(body, request)
         events = stream_events(gen, prefix, body.parameters.details, request.app.state.runner.engine.tokenizer)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

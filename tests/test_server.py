@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -288,6 +290,7 @@ BAD_INPUTS = [
     ("unknown parameter", "/generate", {"inputs": "hi", "parameters": {"max_tokens": 5}}, 422, "parameters.max_tokens"),
     ("unsupported tgi field", "/generate", {"inputs": "hi", "parameters": {"watermark": True}}, 422, "not supported"),
     ("too long prompt", "/generate", {"inputs": "word " * 600, "parameters": {"max_new_tokens": 4}}, 422, "max_seq_len = 512"),
+    ("prompt longer than any context", "/v1/completions", {"prompt": "word " * 150_000}, 400, "the prompt has 750000 characters"),
     ("non utf-8 bytes", "/generate", b'{"inputs": "\xff\xfe"}', 422, "JSON"),
     ("openai n above the slots", "/v1/completions", {"prompt": "hi", "n": 5}, 400, "n=5 exceeds the server's 4 sequence slots"),
     ("openai n=0", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
@@ -587,3 +590,34 @@ def test_best_of_returns_the_likeliest_of_its_seeds(server):
     assert others == sorted(a["generated_text"] for i, a in enumerate(alone) if i != total.index(max(total)))
     assert streamed.status_code == 422 and "best_of > 1 is not supported when streaming" in streamed.json()["error"]
     assert greedy.status_code == 422 and "best_of > 1 needs sampling" in greedy.json()["error"]
+
+
+def test_tokenizing_a_huge_text_does_not_hold_up_running_streams(server):
+    huge = "naïve words, and more words " * 33_000  # about 0.95 MB: just under the body limit
+    payload = json.dumps({"inputs": huge}, ensure_ascii=False).encode()
+
+    def tokenize() -> tuple[float, float]:
+        """When the request went out, and when the server answered (its headers, before the long body is read)."""
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            sent = time.perf_counter()
+            with client.stream("POST", "/tokenize", content=payload, headers={"Content-Type": "application/json"}) as r:
+                answered = time.perf_counter()
+                assert r.status_code == 200
+                r.read()
+        return sent, answered
+
+    stamps: list[float] = []
+    body = {"prompt": PROMPTS[0], "stream": True, "max_tokens": 480, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with connect_sse(client, "POST", "/v1/completions", json=body) as source, ThreadPoolExecutor(1) as pool:
+            events = source.iter_sse()
+            next(events)  # the stream is running
+            tokenized = pool.submit(tokenize)
+            for _ in events:
+                stamps.append(time.perf_counter())
+                if tokenized.done():
+                    break
+            sent, answered = tokenized.result()
+    # The stream's tokens kept arriving while the server tokenized: its event loop was free to send them.
+    # (Tokenized on the loop, none arrive between the request and its answer but those already on their way.)
+    assert sum(sent < t < answered for t in stamps) >= 20
