@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> dict:
     for position in positions:
         prefix = [(7 * i) % config.vocab_size for i in range(position)]
         request = engine.add_request(prefix, SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True))
-        engine.step()  # prefill: `position` tokens in the cache
+        while not request.output_ids:
+            engine.step()  # prefill, a chunk per step: `position` tokens in the cache
 
         def decode_one():
             engine.step()  # one new token against the cached prefix

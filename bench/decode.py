@@ -27,7 +27,9 @@ def run(args: argparse.Namespace) -> dict:
     repeats = 1 if args.quick else args.repeats
     path = resolve_model(args.model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    # Prefix caching off: every timed run repeats its prompts, and must compute them as the reference does.
     ours = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=8, max_seq_len=1024,
+                                                     prefix_caching=False,
                                                      quantize=args.quantize, compile="on" if args.compile else "off"))
     started = time.perf_counter()
     compiled = ours.compile()

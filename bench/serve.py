@@ -112,6 +112,7 @@ def offline_tokens_per_s(args: argparse.Namespace, prompt: str, new_tokens: int)
     from weights.resolve import resolve_model
 
     engine = Engine.from_pretrained(resolve_model(args.model), EngineConfig(dtype=args.dtype, max_batch_size=1,
+                                                                            prefix_caching=False,
                                                                             max_seq_len=1024, quantize=args.quantize))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompt], params)  # warm-up
@@ -126,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
     prompt = " ".join(["hello"] * args.prompt_tokens)
     offline = offline_tokens_per_s(args, prompt, new_tokens)
     rows, records = [], []
-    with (local_server(args) if args.url is None else _given(args.url)) as url:
+    # Every request sends the same prompt: with prefix caching all but the first would skip their prefill.
+    with (local_server(args, ["--prefix-caching", "off"]) if args.url is None else _given(args.url)) as url:
         with httpx.Client(base_url=url, timeout=60) as client:
             asyncio.run(level(url, 1, 1, prompt, new_tokens))  # warm-up
             before = scrape(client)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.chat_template import ChatTemplate
+
+log = logging.getLogger("kvserve.tokenizer")
 
 
 class Tokenizer:
@@ -20,6 +23,10 @@ class Tokenizer:
         self.eos_token = eos_token
         self.chat_template = chat_template
         self.special_ids = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+        # The same tokenizer reading special-token strings as plain text ("<|im_end|>" typed by a user): a
+        # copy of its own, as the flag is the backend's state and encoding runs on several threads.
+        self.text_backend = HFTokenizer.from_str(backend.to_str())
+        self.text_backend.encode_special_tokens = True
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -51,14 +58,42 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """As `tokenizer(text)` in transformers: the post-processor adds BOS where the checkpoint says so."""
-        return self.encoding(text, add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """As `tokenizer(text)` in transformers: the post-processor adds BOS where the checkpoint says so.
+        Without `parse_special`, special-token strings in the text are tokenized as the text they are."""
+        return self.encoding(text, add_special_tokens, parse_special).ids
 
-    def encoding(self, text: str, add_special_tokens: bool = True):
+    def encoding(self, text: str, add_special_tokens: bool = True, parse_special: bool = True):
         """The backend's Encoding (ids, offsets). Through `encode_batch`, which releases the GIL while it works
         (`encode` holds it: a megabyte of text would stop every other thread for most of a second)."""
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        backend = self.backend if parse_special else self.text_backend
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    def encode_chat(self, messages: list[dict], parse_special: bool = False) -> list[int]:
+        """The chat template's rendering of `messages`, tokenized: the template's own markers as special tokens,
+        and, without `parse_special`, the messages' text as text, so a user cannot type a turn of their own.
+
+        Each message's content is rendered as a placeholder, the rendering split there, and the pieces tokenized
+        each by its own rule. A template that changes content beyond recognition gets the plain rendering.
+        """
+        if parse_special or not messages:
+            return self.encode(self.render_chat(messages), add_special_tokens=False)
+        marks = [f"\x00{i}\x00" for i in range(len(messages))]
+        marked = [m | {"content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)]
+        rendered = self.render_chat(marked)
+        pieces, ids = [], []
+        for mark, message in zip(marks, marked):
+            if message["content"] != mark:
+                continue
+            before, found, rendered = rendered.partition(mark)
+            if not found or mark in rendered:  # dropped or repeated by the template
+                log.warning("the chat template changes message content; special tokens typed in it stay special")
+                return self.encode(self.render_chat(messages), add_special_tokens=False)
+            pieces += [(before, True), (messages[marks.index(mark)]["content"], False)]
+        for text, special in [*pieces, (rendered, True)]:
+            if text:
+                ids += self.encode(text, add_special_tokens=False, parse_special=special)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -63,7 +63,8 @@ def build(settings: Settings, argv: list[str] | None = None) -> Server:
             logging.getLogger("kvserve").warning("compiling in a child process failed (compiling in-process "
                                                  "instead): %s", errors.strip()[-2000:])
 
-    runner = EngineRunner(load, max_queue=settings.max_queue, warm_compile_cache=warm_compile_cache, on_failure=stop)
+    runner = EngineRunner(load, max_queue=settings.max_queue, warm_compile_cache=warm_compile_cache, on_failure=stop,
+                          request_timeout=settings.request_timeout, max_queue_wait=settings.max_queue_wait)
     app = create_app(runner, settings)  # the model loads in the background: /health answers 503 until ready
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=10)
     server = Server(config, runner)

@@ -19,7 +19,8 @@ class GenerationFailed(APIError):
 
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
-                422: "invalid_request_error", 429: "rate_limit_error", 503: "server_unavailable", 500: "server_error"}
+                422: "invalid_request_error", 429: "rate_limit_error", 503: "server_unavailable", 500: "server_error",
+                504: "timeout"}
 
 
 def error_body(path: str, status: int, message: str, error_type: str) -> dict:

@@ -42,7 +42,8 @@ class Generation:
                 item = await stream.next()
                 if isinstance(item, Failure):
                     metrics.failures.labels(reason=item.error_type).inc()
-                    raise GenerationFailed(item.status, item.message, item.error_type)
+                    retry = {"Retry-After": "1"} if item.status in (429, 503) else None
+                    raise GenerationFailed(item.status, item.message, item.error_type, retry)
                 if last_at is None:
                     metrics.time_to_first_token.observe(item.at - stream.arrived_at)
                     metrics.prefix_queried_tokens.inc(len(stream.prompt_ids))
@@ -81,15 +82,35 @@ class Generation:
         self.stream.queue.put_nowait(Failure("client disconnected", 499, "client_disconnect"))
 
 
-async def tokenize_prompt(runner: EngineRunner, text: str, add_special_tokens: bool = True) -> list[int]:
+async def tokenize_prompt(runner: EngineRunner, text: str, parse_special: bool) -> list[int]:
     """The prompt's ids, tokenized on a worker thread (a long text takes seconds, and the event loop serves every
-    stream); a text too long to fit the context whatever its tokens is refused before any work."""
+    stream). Special-token strings in it are text unless `parse_special`."""
+    check_length(runner, len(text))
+    ids = await asyncio.to_thread(runner.engine.tokenizer.encode, text, True, parse_special)
+    return nonempty(ids)
+
+
+async def tokenize_chat(runner: EngineRunner, messages: list[dict], parse_special: bool) -> list[int]:
+    """The chat template's rendering of `messages`, tokenized on a worker thread: the template's markers special,
+    the messages' text as text unless `parse_special` (see Tokenizer.encode_chat)."""
+    check_length(runner, sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
+    try:  # a template runs Python over every message: off the event loop too
+        ids = await asyncio.to_thread(runner.engine.tokenizer.encode_chat, messages, parse_special)
+    except Exception as e:  # a template that raises on these messages is the client's to fix
+        raise APIError(422, f"the chat template could not render these messages: {e}", "validation") from None
+    return nonempty(ids)
+
+
+def check_length(runner: EngineRunner, characters: int) -> None:
+    """A text too long to fit the context whatever its tokens is refused before any work."""
     ensure_ready(runner)
     engine = runner.engine
-    if len(text) > engine.max_seq_len * engine.tokenizer.max_token_chars:
-        raise APIError(422, f"the prompt has {len(text)} characters, more than any {engine.max_seq_len} tokens "
+    if characters > engine.max_seq_len * engine.tokenizer.max_token_chars:
+        raise APIError(422, f"the prompt has {characters} characters, more than any {engine.max_seq_len} tokens "
                             f"(max_seq_len) hold", "validation")
-    ids = await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
+
+
+def nonempty(ids: list[int]) -> list[int]:
     if not ids:
         raise APIError(422, "the prompt is empty after tokenization", "validation")
     return ids
@@ -115,6 +136,10 @@ def room(runner: EngineRunner, prompt_ids: list[int]) -> int:
 
 def start(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params: SamplingParams) -> Generation:
     """Admit a request or refuse it with the status a client should see."""
+    max_seq_len = runner.engine.max_seq_len
+    if len(prompt_ids) >= max_seq_len:  # said before any default token count is blamed for it
+        raise APIError(422, f"the prompt is {len(prompt_ids)} tokens: with the context length max_seq_len = "
+                            f"{max_seq_len} that leaves no room for a new token", "validation")
     validated(lambda: runner.engine.check_fits(len(prompt_ids), params.max_new_tokens))
     try:
         stream = runner.submit(prompt_ids, params)

@@ -180,7 +180,7 @@ def create_router() -> APIRouter:
     async def completions(body: CompletionRequest, request: Request):
         runner = request.app.state.runner
         if isinstance(body.prompt, str):
-            prompt_ids = await generation.tokenize_prompt(runner, body.prompt)
+            prompt_ids = await generation.tokenize_prompt(runner, body.prompt, body.parse_special)
             prompt_text = body.prompt
         else:  # token ids, as vLLM takes them: echoed as their text
             prompt_ids = generation.checked_token_ids(runner, body.prompt)
@@ -232,12 +232,7 @@ def create_router() -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         runner = request.app.state.runner
-        generation.ensure_ready(runner)
-        try:  # on a worker thread, as tokenizing: a template runs Python over every message
-            prompt = await asyncio.to_thread(runner.engine.tokenizer.render_chat, body.rendered_messages())
-        except Exception as e:  # a template that raises on these messages is the client's to fix
-            raise APIError(422, f"the chat template could not render these messages: {e}", "validation") from None
-        prompt_ids = await generation.tokenize_prompt(runner, prompt, add_special_tokens=False)
+        prompt_ids = await generation.tokenize_chat(runner, body.rendered_messages(), body.parse_special)
         max_tokens = body.max_completion_tokens or body.max_tokens
         gens = admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
         ident, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)

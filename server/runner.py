@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine import Engine, RequestFailed, SamplingParams, TokenEvent
+from engine.request import Status
 
 log = logging.getLogger("kvserve.runner")
 
@@ -87,8 +88,12 @@ class Stream:
 
 class EngineRunner:
     def __init__(self, load: Callable[[], Engine], max_queue: int = 64,
-                 warm_compile_cache: Callable[[], None] | None = None, on_failure: Callable[[], None] | None = None):
+                 warm_compile_cache: Callable[[], None] | None = None, on_failure: Callable[[], None] | None = None,
+                 request_timeout: float = 0, max_queue_wait: float = 0):
         self._load = load
+        self.request_timeout = request_timeout  # seconds from arrival to the last token; 0: no limit
+        self.max_queue_wait = max_queue_wait  # seconds a request may wait for a slot; 0: no limit
+        self._arrivals: dict[str, float] = {}  # the loop thread's own: request id -> arrival, for the limits
         self._warm_compile_cache = warm_compile_cache  # runs before the compile thread compiles in-process
         self._on_failure = on_failure  # called (on the loop thread) once the runner can serve nobody
         self.max_queue = max_queue
@@ -221,6 +226,27 @@ class EngineRunner:
             self._update_snapshot()
             now = time.perf_counter()
             self._send([(e.request_id, self._timed(e, now, step_started)) for e in events])
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """End the requests past --max-queue-wait (still waiting for a slot) or --request-timeout."""
+        expired = []
+        for request_id, arrived in list(self._arrivals.items()):
+            request = self.engine.requests.get(request_id)
+            if request is None:  # finished
+                del self._arrivals[request_id]
+            elif self.max_queue_wait and request.status is Status.WAITING and now - arrived > self.max_queue_wait:
+                expired.append((request_id, Failure(f"no slot freed within --max-queue-wait ({self.max_queue_wait:g} s); "
+                                                    "retry later", 503, "overloaded")))
+            elif self.request_timeout and now - arrived > self.request_timeout:
+                expired.append((request_id, Failure(f"the request ran past --request-timeout ({self.request_timeout:g} s)",
+                                                    504, "timeout")))
+        for request_id, _ in expired:
+            self.engine.abort(request_id)
+            del self._arrivals[request_id]
+        if expired:
+            self._update_snapshot()
+            self._send(expired)
 
     @staticmethod
     def _timed(event: TokenEvent | RequestFailed, now: float, step_started: float) -> Timed | Failure:
@@ -262,6 +288,8 @@ class EngineRunner:
         try:
             request = self.engine.add_request(stream.prompt_ids, stream.params, request_id=stream.request_id)
             stream.seed = request.seed
+            if self.request_timeout or self.max_queue_wait:
+                self._arrivals[stream.request_id] = stream.arrived_at
         except Exception as e:  # validated before submission; anything left is reported, not raised
             self._send([(stream.request_id, Failure(f"{type(e).__name__}: {e}"))])
 

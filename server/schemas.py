@@ -39,6 +39,7 @@ class TGIParameters(Strict):
     truncate: int | None = Field(default=None, ge=1)
     top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     decoder_input_details: bool = False  # the prompt tokens with their logprobs, in details.prefill
+    parse_special: bool = False  # special-token strings in `inputs` as special tokens; otherwise they are text
     best_of: int | None = Field(default=None, ge=1)  # sample this many, return the likeliest (not streamed)
     # TGI fields kvserve does not implement: their neutral values only.
     watermark: bool = False
@@ -116,6 +117,9 @@ class OpenAISampling(BaseModel):
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
+    # Special-token strings in the prompt or message text as special tokens; by default they are text, so a
+    # user cannot type a chat turn or an end of text (the chat template's own markers are always special).
+    parse_special: bool = False
 
     @model_validator(mode="after")
     def _supported(self):

@@ -28,12 +28,16 @@ class Settings:
     quantize: str = "auto"
     compile: str = "auto"
     prefix_caching: str = "on"
+    request_timeout: float = 0  # seconds; 0: none
+    max_queue_wait: float = 0  # seconds; 0: none
 
     def __post_init__(self) -> None:
         if self.prefix_caching not in ("on", "off"):
             raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
+        if self.request_timeout < 0 or self.max_queue_wait < 0:
+            raise ValueError("request_timeout and max_queue_wait are seconds >= 0 (0: no limit)")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 
@@ -74,6 +78,9 @@ FLAGS = [
                       "float32), other weights dense; int4/int8 also quantize float weights at load"),
     ("compile", str, "auto, on or off: compile the decode step with torch.compile in the background while serving "
                      "eagerly (auto and on: where it can run, the CPU with a C++ compiler; code cached on disk)"),
+    ("request_timeout", float, "seconds from a request's arrival to its last token; past it the request ends with "
+                               "504 (an error event when streaming). 0: no limit"),
+    ("max_queue_wait", float, "seconds a request may wait for a slot; past it, 503 with Retry-After. 0: no limit"),
     ("prefix_caching", str, "on or off: a finished request's slot keeps its tokens' K/V, and a new request sharing "
                             "their prefix (a chat's earlier turns, a common system prompt) skips computing it"),
 ]

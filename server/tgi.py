@@ -50,7 +50,7 @@ def details(gen: generation.Generation, input_length: int, with_tokens: bool, to
 async def admit(body: GenerateRequest, request: Request) -> tuple[list[generation.Generation], str]:
     """The request's sequences (best_of of them, else one) and the text its answers start with."""
     runner, metrics = request.app.state.runner, request.app.state.metrics
-    prompt_ids = await generation.tokenize_prompt(runner, body.inputs)
+    prompt_ids = await generation.tokenize_prompt(runner, body.inputs, body.parameters.parse_special)
     if body.parameters.truncate:
         prompt_ids = prompt_ids[-body.parameters.truncate:]
     default = max(1, min(DEFAULT_MAX_NEW_TOKENS, generation.room(runner, prompt_ids)))

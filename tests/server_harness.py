@@ -36,7 +36,8 @@ def serve(model: Path, load=None, wait: bool = True, **settings):
                    seed=0, compile="off") | settings
     config = Settings(**options)
     runner = EngineRunner(load or (lambda: Engine.from_pretrained(model, config.engine_config())),
-                          max_queue=config.max_queue)
+                          max_queue=config.max_queue, request_timeout=config.request_timeout,
+                          max_queue_wait=config.max_queue_wait)
     server = uvicorn.Server(uvicorn.Config(create_app(runner, config), log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
