@@ -647,11 +647,11 @@ def test_a_request_past_request_timeout_ends_with_504(model_dir):
         with httpx.Client(base_url=running.url, timeout=60) as client:
             with connect_sse(client, "POST", "/v1/completions", json=body) as source:
                 streamed = [e.data for e in source.iter_sse()]
-            whole = client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 4000}})
+            whole = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4000, "ignore_eos": True})
             quick = client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
         assert streamed[-1] == "[DONE]" and "--request-timeout (0.5 s)" in json.loads(streamed[-2])["error"]["message"]
         assert len(streamed) < 4000
-        assert whole.status_code == 504 and whole.json()["error_type"] == "timeout"
+        assert whole.status_code == 504 and whole.json()["error"]["code"] == "timeout"
         assert quick.status_code == 200
         assert running.runner.wait_for(lambda s: s.running == 0 and s.waiting == 0, timeout=30)
 
