@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -82,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     prefix.add_argument("--dtype", default="auto")
     prefix.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
     prefix.add_argument("--compile", default="off", choices=["auto", "on", "off"])
+
+    soak = command("soak", help="mixed requests from C clients for N minutes: errors, server memory, inter-token "
+                                 "latency per 30 s window, metrics vs clients")
+    soak.add_argument("--minutes", type=float, default=30)
+    soak.add_argument("--concurrency", type=int, default=16)
+    soak.add_argument("--model", default=None, help="model for the server this starts (default: the default model)")
+    soak.add_argument("--dtype", default="auto")
+    soak.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
+    soak.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
 
     args = parser.parse_args(argv)
     if args.threads:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -38,8 +40,9 @@ def scrape(client: httpx.Client) -> dict[str, float]:
 
 
 @contextmanager
-def local_server(args: argparse.Namespace, extra: list[str] = ()):
-    """`python -m server` on a free port, until the block ends, with `extra` flags last; yields its URL."""
+def local_server(args: argparse.Namespace, extra: list[str] = (), started: list | None = None):
+    """`python -m server` on a free port, until the block ends, with `extra` flags last; yields its URL (and
+    appends its process to `started`, when given)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -50,6 +53,8 @@ def local_server(args: argparse.Namespace, extra: list[str] = ()):
         command += ["--model", args.model]
     command += ["--quantize", args.quantize, *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    if started is not None:
+        started.append(process)
     try:
         # The log lines that say the model is loaded and, when compiling, that the compile thread is done:
         # timings start on the server as it will run from then on.
@@ -59,6 +64,8 @@ def local_server(args: argparse.Namespace, extra: list[str] = ()):
                 break
             if "failed to load" in line or process.poll() is not None:
                 raise RuntimeError(f"the server did not start: {line.strip()}")
+        # Keep reading its log: a full pipe would block the server at its next log line (one per request).
+        threading.Thread(target=collections.deque, args=(process.stdout, 0), daemon=True).start()
         yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()

@@ -78,3 +78,13 @@ def test_prefix_caching_bench_counts_what_was_reused(tmp_path, model_dir):
     # The system prompt is computed once, not once per user: with it alone, 4 users send about 4x.
     assert on["shared"]["computed_tokens"] < 0.5 * off["shared"]["computed_tokens"]
     assert on["arrival"]["gaps_during"] > 0 and (tmp_path / "prefix.png").stat().st_size > 0
+
+
+def test_soak_reports_errors_memory_and_windows(tmp_path, model_dir):
+    bench(tmp_path, "soak", "--model", str(model_dir("long")), "--dtype", "float32", "--compile", "off")
+    payload = json.loads((tmp_path / "soak.json").read_text())
+    assert payload["errors"] == 0 and payload["requests"] > 0
+    assert payload["tokens_agree"] and payload["client_tokens"] == payload["server_tokens"] > 0
+    assert {"rss_growth_pct", "itl_p99_ms_first_window", "itl_p99_ms_last_window"} <= payload.keys()
+    assert all(w["p50_ms"] <= w["p99_ms"] for w in payload["windows"])
+    assert (tmp_path / "soak.png").stat().st_size > 0
