@@ -107,12 +107,14 @@ async def soak(url: str, pid: int, minutes: float, concurrency: int, seed: int) 
     return {"records": records, "memory": memory, "started": started}
 
 
-def windows(records: list[dict], started: float) -> list[dict]:
-    """Inter-token gaps grouped by the window in which each gap ended."""
+def windows(records: list[dict], started: float, seconds: float) -> list[dict]:
+    """Inter-token gaps grouped by the window in which each gap ended; whole windows of the run only (after its
+    end, the last requests finish with fewer clients sending)."""
     gaps: dict[int, list[float]] = {}
     for record in records:
         for a, b in zip(record["stamps"], record["stamps"][1:]):
             gaps.setdefault(int((b - started) // WINDOW_S), []).append(b - a)
+    gaps = {w: g for w, g in gaps.items() if (w + 1) * WINDOW_S <= max(seconds, WINDOW_S)}
     return [{"window": w, "start_s": w * WINDOW_S, "gaps": len(gaps[w]), "p50_ms": percentile(gaps[w], 50) * 1e3,
              "p99_ms": percentile(gaps[w], 99) * 1e3} for w in sorted(gaps)]
 
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
     errors = sum(n for status, n in statuses.items() if status != "200")
     client_tokens = sum(r["tokens"] for r in records if r["status"] == 200)
     server_tokens = after["kvserve_generation_tokens_total"] - before["kvserve_generation_tokens_total"]
-    rows = windows(records, result["started"])
+    rows = windows(records, result["started"], minutes * 60)
     warm = next((rss for t, rss in memory if t >= WINDOW_S), memory[-1][1]) if memory else float("nan")
     end = memory[-1][1] if memory else float("nan")
     steady = rows[1:] or rows  # the first window includes warm-up

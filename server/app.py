@@ -16,11 +16,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server import generation, openai_api, tgi
 from server.errors import APIError, GenerationFailed, error_response
 from server.metrics import Metrics
+from server.openapi import OPEN_PATHS, install_openapi
 from server.runner import EngineRunner
 from server.schemas import TokenizeRequest
 from server.settings import Settings
 
-OPEN_PATHS = {"/health", "/metrics"}
 
 
 def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
@@ -41,6 +41,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
         install_api_key(app, settings.api_key, metrics)
     app.include_router(tgi.create_router())
     app.include_router(openai_api.create_router())
+    install_openapi(app)
 
     @app.get("/health")
     async def health():

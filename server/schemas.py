@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from engine import SamplingParams
 from engine.sampling import MAX_TOP_LOGPROBS
 
 
 class Strict(BaseModel):
-    # Unknown fields are errors that name them: a typo must not be silently ignored.
+    # Unknown fields are errors that name them: a typo must not be silently ignored. Booleans are StrictBool
+    # throughout: "stream": 0 or "false" is an error, not a boolean.
     model_config = ConfigDict(extra="forbid")
 
 
@@ -31,18 +32,18 @@ class TGIParameters(Strict):
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    do_sample: bool = False
+    do_sample: StrictBool = False
     seed: int | None = Field(default=None, ge=0)
     stop: list[str] = Field(default_factory=list)
-    details: bool = False
-    return_full_text: bool | None = False
+    details: StrictBool = False
+    return_full_text: StrictBool | None = False
     truncate: int | None = Field(default=None, ge=1)
     top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    decoder_input_details: bool = False  # the prompt tokens with their logprobs, in details.prefill
-    parse_special: bool = False  # special-token strings in `inputs` as special tokens; otherwise they are text
+    decoder_input_details: StrictBool = False  # the prompt tokens with their logprobs, in details.prefill
+    parse_special: StrictBool = False  # special-token strings in `inputs` as special tokens; otherwise they are text
     best_of: int | None = Field(default=None, ge=1)  # sample this many, return the likeliest (not streamed)
     # TGI fields kvserve does not implement: their neutral values only.
-    watermark: bool = False
+    watermark: StrictBool = False
     typical_p: float | None = None
     grammar: Any = None
     adapter_id: str | None = None
@@ -82,7 +83,7 @@ class TGIParameters(Strict):
 class GenerateRequest(Strict):
     inputs: str = Field(min_length=1)
     parameters: TGIParameters = Field(default_factory=TGIParameters)
-    stream: bool = False
+    stream: StrictBool = False
 
 
 class TokenizeRequest(Strict):
@@ -91,8 +92,8 @@ class TokenizeRequest(Strict):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class OpenAISampling(BaseModel):
@@ -104,7 +105,7 @@ class OpenAISampling(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1)  # choices: n sequences of one prompt, seeds seed, seed + 1, ...
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0)
@@ -116,10 +117,10 @@ class OpenAISampling(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off (vLLM clients send -1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     # Special-token strings in the prompt or message text as special tokens; by default they are text, so a
     # user cannot type a chat turn or an end of text (the chat template's own markers are always special).
-    parse_special: bool = False
+    parse_special: StrictBool = False
 
     @model_validator(mode="after")
     def _supported(self):
@@ -159,20 +160,32 @@ class OpenAISampling(BaseModel):
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, one prompt per request
+    # Text or token ids, one prompt per request (a list of one is accepted, as OpenAI's clients send it).
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+             | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)])
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the chosen token's logprob and up to 5 alternatives
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_said_plainly(cls, value, check):
+        """The union's errors, one per alternative, said as the one thing that is wrong."""
+        try:
+            return check(value)
+        except ValidationError:
+            if value in ("", []) or value in ([""], [[]]):
+                raise ValueError("prompt is empty") from None
+            if isinstance(value, list) and len(value) > 1 and not isinstance(value[0], int):
+                raise ValueError("send one prompt per request (a list of exactly one string or token list)") from None
+            raise
+
     @model_validator(mode="after")
     def _one_prompt(self):
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                raise ValueError("prompt: send one prompt per request (a list of exactly one string or token list)")
+        if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int):
             self.prompt = self.prompt[0]
-        if not self.prompt:
-            raise ValueError("prompt is empty")
         unsupported(self, {"suffix": (None, ""), "best_of": (None, 1)})
         return self
 
@@ -205,12 +218,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None
     tool_choice: Any = None
     response_format: dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
     def _neutral_fields(self):

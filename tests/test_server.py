@@ -306,6 +306,10 @@ BAD_INPUTS = [
     ("top_n_tokens above 20", "/generate", {"inputs": "hi", "parameters": {"top_n_tokens": 21}}, 422, "top_n_tokens"),
     ("prompt ids out of vocabulary", "/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt token ids must be in"),
     ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt is empty"),
+    ("empty prompt string", "/v1/completions", {"prompt": ""}, 400, "prompt is empty"),
+    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ("stream as a number", "/v1/completions", {"prompt": "hi", "stream": 0}, 400, "valid boolean"),
+    ("stream as a string", "/generate", {"inputs": "hi", "stream": "false"}, 422, "valid boolean"),
     ("streamed decoder_input_details", "/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}},
      422, "not supported when streaming"),
 ]
@@ -319,6 +323,7 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, name, p
         else:
             response = client.post(path, json=body)
         assert response.status_code == status, response.text
+        assert str(status) in client.get("/openapi.json").json()["paths"][path]["post"]["responses"]  # as documented
         error = response.json()["error"]
         message = error["message"] if path.startswith("/v1") else error
         assert fragment in message
@@ -669,3 +674,14 @@ def test_special_tokens_typed_by_a_user_are_text_unless_the_request_opts_in(serv
     assert chat[1]["usage"]["prompt_tokens"] == len(tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False))
     assert chat[0]["usage"]["prompt_tokens"] > chat[1]["usage"]["prompt_tokens"]  # "<|im_end|>" as its characters
     assert plain[1]["details"]["input_length"] == 1 < plain[0]["details"]["input_length"]
+
+
+def test_the_openapi_schema_declares_errors_and_streams(server):
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        responses = paths[path]["post"]["responses"]
+        assert {"413", "429", "503", "504"} <= responses.keys()
+        assert "text/event-stream" in responses["200"]["content"]
+        assert ("400" in responses) == path.startswith("/v1") and ("422" in responses) != path.startswith("/v1")
+    assert list(paths["/generate_stream"]["post"]["responses"]["200"]["content"]) == ["text/event-stream"]
+    assert paths["/metrics"]["get"]["responses"]["200"]["content"] == {"text/plain": {"schema": {"type": "string"}}}

@@ -1,0 +1,76 @@
+"""The OpenAPI schema as the server behaves: every error status a route can answer, with the JSON body it sends,
+and `text/event-stream` where a route streams.
+
+FastAPI documents 200 and its own 422 body; kvserve answers 400 under /v1 (OpenAI's shape), 401, 413, 429, 503
+and 504 too, and streams Server-Sent Events.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+ERRORS = {  # status -> when
+    "401": "a missing or wrong API key (with --api-key)",
+    "413": "a body over --max-body-bytes",
+    "429": "--max-queue requests already wait (Retry-After)",
+    "503": "the model is loading, failed, or no slot freed within --max-queue-wait (Retry-After)",
+    "504": "the request ran past --request-timeout",
+}
+STREAMING = {"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"}
+ERROR_BODIES = {
+    "TGIError": {"type": "object", "required": ["error", "error_type"],
+                 "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}},
+    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+}
+OPEN_PATHS = {"/health", "/metrics"}  # never behind the API key
+
+
+def install_openapi(app: FastAPI) -> None:
+    def schema() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = described(get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = schema
+
+
+def described(schema: dict) -> dict:
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(ERROR_BODIES)
+    for path, operations in schema["paths"].items():
+        body = "OpenAIError" if path.startswith("/v1") else "TGIError"
+        error = {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            if "422" in responses:  # a body that fails validation: 422 for TGI, 400 under /v1
+                del responses["422"]
+                responses["400" if path.startswith("/v1") else "422"] = {"description": "invalid request",
+                                                                           "content": error}
+            for status, when in ERRORS.items():
+                if applies(status, path, method):
+                    responses[status] = {"description": when, "content": error}
+            if path in STREAMING:
+                content = responses["200"].setdefault("content", {})
+                content["text/event-stream"] = {"schema": {"type": "string"},
+                                                "description": "Server-Sent Events, when the request streams"}
+                if path == "/generate_stream":
+                    content.pop("application/json", None)
+    health = schema["paths"]["/health"]["get"]["responses"]
+    health["503"] = {"description": "loading, or failed: the reason in `error`", "content": {"application/json": {
+        "schema": {"type": "object", "properties": {"status": {"type": "string"}, "error": {"type": ["string", "null"]}}}}}}
+    schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    return schema
+
+
+def applies(status: str, path: str, method: str) -> bool:
+    """Whether a route can answer this error status."""
+    if path in OPEN_PATHS:
+        return False  # /health has its own 503 body; /metrics always answers
+    if status == "413":
+        return method == "post"
+    if status in ("429", "504"):
+        return path in STREAMING  # the generation routes: queued and timed
+    return True
