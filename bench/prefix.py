@@ -100,7 +100,7 @@ async def arrival(url: str, long_words: int, chunk_words: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         chunk = await chat_request(client, [{"role": "user", "content": text(chunk_words, seed=3000)}], 1)
         stamps: list[float] = []
-        body = {"model": "kvserve", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True,
+        body = {"model": "kvserve", "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": True,
                 "ignore_eos": True}
 
         async def stream():

@@ -2,9 +2,10 @@
 
 A slot keeps its tokens' K/V after its request ends. With prefix caching on, a new request takes the
 free slot whose kept tokens share the longest prefix with its prompt (ties, and no match: the least
-recently used slot), and prefill starts after the shared part. A prefix of at least `copy_min_tokens`
-that a running request holds is copied from its slot instead (one long system prompt, many users);
-while such a prefix is still being written, the new request waits for it rather than compute it again.
+recently used slot), and prefill starts after the shared part. A prefix that a running request holds is
+copied from its slot instead when it is at least `copy_min_tokens` long (one long system prompt, many
+users) or the whole prompt but its last token (the choices of one request); while such a prefix is still
+being written, the new request waits for it rather than compute it again.
 """
 
 from __future__ import annotations
@@ -60,11 +61,14 @@ class Scheduler:
         reused, source, coming = min(kept[slot], most), None, 0
         for other in self.running.values():
             shared = min(common_prefix(other.prompt_ids, prompt), most)  # what its prompt will write
+            # Worth a copy: a long prefix, or all of this prompt (the siblings of an `n` > 1 request).
+            if shared < self.copy_min_tokens and not 0 < shared == most:
+                continue
             written = min(shared, other.prefilled)
-            if written >= self.copy_min_tokens and written > reused:
+            if written > reused:
                 reused, source = written, other.slot
             coming = max(coming, shared)
-        if coming >= self.copy_min_tokens and coming > reused:
+        if coming > reused:
             return None
         return slot, reused, source
 

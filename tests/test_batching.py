@@ -154,7 +154,8 @@ def test_a_long_prompt_is_written_one_chunk_per_step_while_running_streams_go_on
 def test_short_prompts_join_a_pass_while_it_stays_within_one_chunk(make_engine):
     engine = make_engine(max_batch_size=4, prefill_chunk_size=16)
     params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
-    first, second, third = (engine.add_request(list(range(5, 5 + n)), params) for n in (6, 5, 7))
+    first, second, third = (engine.add_request(list(range(start, start + n)), params)
+                            for start, n in ((5, 6), (50, 5), (100, 7)))  # no prefix in common
     engine.step()  # 2 rows x 6 padded tokens fit in 16; a third row (3 x 7 = 21) waits for the next step
     assert (len(first.output_ids), len(second.output_ids), len(third.output_ids)) == (1, 1, 0)
     engine.step()

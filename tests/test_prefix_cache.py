@@ -154,3 +154,16 @@ def test_a_request_waits_for_a_shared_prefix_being_written_rather_than_compute_i
     while not (first.finished and second.finished):
         engine.step()
     assert [first.output_ids, second.output_ids] == [reference(p) for p in prompts]
+
+
+def test_requests_with_one_short_prompt_compute_it_once(make_engine, reference):
+    engine = make_engine(max_batch_size=3)
+    prompt = PROMPT[:10]
+    first, *siblings = (engine.add_request(prompt, GREEDY) for _ in range(3))
+    engine.step()  # the first writes the prompt; the others wait for it rather than compute it too
+    assert first.prefilled == len(prompt) and all(s.slot is None for s in siblings)
+    engine.step()
+    assert [(s.copy_from, s.reused_tokens) for s in siblings] == [(first.slot, len(prompt) - 1)] * 2
+    while not all(r.finished for r in (first, *siblings)):
+        engine.step()
+    assert [r.output_ids for r in (first, *siblings)] == [reference(prompt)] * 3
