@@ -365,19 +365,24 @@ def test_dropped_streams_free_their_slots(server, n):
     assert ok.status_code == 200
 
 
-def test_sixteen_concurrent_streams_get_their_own_tokens(server, offline):
+def streamed_together(url: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """The token ids of one /generate stream per prompt, all open at once."""
     async def one(client: httpx.AsyncClient, prompt: str) -> list[int]:
         from httpx_sse import aconnect_sse
 
         async with aconnect_sse(client, "POST", "/generate", json={
-                "inputs": prompt, "stream": True, "parameters": {"max_new_tokens": 16}}) as source:
+                "inputs": prompt, "stream": True, "parameters": {"max_new_tokens": max_new_tokens}}) as source:
             return [json.loads(e.data)["token"]["id"] async for e in source.aiter_sse()]
 
     async def all_at_once():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
 
-    results = asyncio.run(all_at_once())
+    return asyncio.run(all_at_once())
+
+
+def test_sixteen_concurrent_streams_get_their_own_tokens(server, offline):
+    results = streamed_together(server.url, PROMPTS, 16)
     assert results == [greedy_alone(offline, p, 16) for p in PROMPTS]
 
 
@@ -517,19 +522,7 @@ def test_compiled_decode_serves_the_same_tokens(model_dir, offline):
             assert client.get("/info").json()["compiled_decode"] == ["one", "many"]
             alone = client.post("/generate", json={"inputs": PROMPTS[0], "parameters": {
                 "max_new_tokens": 12, "details": True}}).json()
-
-        async def one(client: httpx.AsyncClient, prompt: str) -> list[int]:
-            from httpx_sse import aconnect_sse
-
-            async with aconnect_sse(client, "POST", "/generate", json={
-                    "inputs": prompt, "stream": True, "parameters": {"max_new_tokens": 12}}) as source:
-                return [json.loads(e.data)["token"]["id"] async for e in source.aiter_sse()]
-
-        async def four_at_once():
-            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
-                return await asyncio.gather(*(one(client, p) for p in PROMPTS[:4]))
-
-        together = asyncio.run(four_at_once())
+        together = streamed_together(running.url, PROMPTS[:4], 12)
     assert [t["id"] for t in alone["details"]["tokens"]] == greedy_alone(offline, PROMPTS[0], 12)
     assert together == [greedy_alone(offline, p, 12) for p in PROMPTS[:4]]
 

@@ -13,6 +13,7 @@ What a GGUF holds and how it maps:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -171,7 +172,7 @@ class GGUFFile:
                 out["lm_head.weight"] = self.group_codes(t)
             stem = t.name.split(".")[-2]
             if self.arch == "llama" and stem in heads:
-                reorder = lambda rows, h=heads[stem]: unpermute_rope_rows(rows, h)  # noqa: E731
+                reorder = functools.partial(unpermute_rope_rows, heads=heads[stem])
                 value = value.map_rows(reorder) if isinstance(value, GroupCodes) else reorder(value)
             out[name] = value
         return out
