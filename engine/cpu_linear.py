@@ -1,10 +1,10 @@
 """Linear layers on the CPU, each product in the order and dtype that torch's CPU kernels run fastest.
 
-Measured on an AVX2-only CPU (MKL, no native bfloat16), every linear layer of the default model
-(bench/README.md has the tables per machine):
+Two forms, from measurements of the default model's layers (bench/README.md has the tables per machine):
 - float32, up to 128 rows (every decode step): W·xᵀ rather than x·Wᵀ, one row sent as two. MKL's
-  large-N GEMM then reads the weights 1.2-2.5x faster than its GEMV and small-M kernels. Weights under
-  2^17 elements stay with x·Wᵀ: there the GEMM's fixed cost outweighs the faster read.
+  large-N GEMM then reads the weights faster than its GEMV and small-M kernels (1.2-2.5x on AVX2,
+  about 2x on AVX-512). Weights under 2^17 elements stay with x·Wᵀ: there the GEMM's fixed cost
+  outweighs the faster read.
 - bfloat16 on a CPU without bf16 arithmetic, over 64 rows (prefill): torch's emulated bf16 GEMM is
   compute-bound, so the weight is widened to float32 for the product; from about 64 rows the
   conversion costs less than it saves (4x faster at 512 rows). Fewer rows stay in bfloat16, whose
@@ -26,10 +26,10 @@ WIDEN_MIN_ROWS = 64  # bfloat16 without native support: widening to float32 wins
 
 
 class CpuLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, widen_bfloat16: bool):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, widen_bfloat16: bool):
         super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
+        self.weight = weight
+        self.bias = bias
         self.widen_bfloat16 = widen_bfloat16
 
     @property
@@ -74,5 +74,5 @@ def use_cpu_products(model: nn.Module, widen_bfloat16: bool) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, CpuLinear(child, widen_bfloat16))
+                setattr(parent, name, CpuLinear(child.weight, child.bias, widen_bfloat16))
     return model

@@ -22,6 +22,7 @@ from engine.rope import RotaryTable
 from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
+from engine.tied_head import tie_quantized_head
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
@@ -92,6 +93,7 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         slots = self._slots(model_config, max_seq_len)
+        tie_quantized_head(model, max_rows=slots)  # a quantized tied head: codes or the dense embedding, as measured
         self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype)
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
         self.scheduler = Scheduler(slots, config.prefix_caching, copy_min_tokens=config.prefill_chunk_size)
@@ -270,7 +272,7 @@ class Engine:
 
     @property
     def compiled_graphs(self) -> tuple[str, ...]:
-        """Decode batch buckets ("one", "many") that run as compiled graphs; the rest run eagerly."""
+        """Decode batch buckets ("one", "many", and "few" where the head switches form) that run as compiled graphs; the rest run eagerly."""
         return tuple(self.executor.graphs)
 
     @property

@@ -1,9 +1,11 @@
 """Runs the decode forward: eagerly, or through a graph compiled by torch.compile once one is ready.
 
-Two graphs serve every decode step: one for a single sequence and one for any larger batch (torch
-specializes size 1, so a batch of one is a graph of its own). In both, the batch size and the keys
-read per row (the filled length, not T) are dynamic dimensions, so decode cost still follows what the
-slots hold and no batch is padded.
+A few graphs serve every decode step, each for a range of batch sizes (a bucket): one for a single
+sequence (torch specializes size 1, so a batch of one is a graph of its own) and one for any larger
+batch; where the model's LM head changes form at some number of rows (a TiedHead), the larger batches
+split there, one graph on each side. In every graph the batch size and the keys read per row (the
+filled length, not T) are dynamic dimensions, so decode cost still follows what the slots hold and no
+batch is padded.
 
 Compiling takes from seconds (a tiny model) to minutes (30 layers on 2 cores). `compile()` does it on a
 scratch cache of the same layout but a few positions, never on the live one, so it may run on a thread
@@ -14,6 +16,7 @@ quickly (where the cache lives is the process's setting, TORCHINDUCTOR_CACHE_DIR
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import time
@@ -25,6 +28,7 @@ from engine.batch import DecodeBatch
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.rope import RotaryTable
+from engine.tied_head import TiedHead
 
 log = logging.getLogger("kvserve.executor")
 
@@ -96,11 +100,12 @@ class GraphDecodeBatch:
 class DecodeExecutor:
     def __init__(self, model: Transformer, rotary: RotaryTable, cache: KVCache):
         self.model, self.rotary, self.cache = model, rotary, cache
-        self.graphs: dict[str, object] = {}  # "one" / "many" -> compiled step, filled as each is ready
+        self.buckets = batch_buckets(model)
+        self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready
 
-    @staticmethod
-    def bucket(batch_size: int) -> str:
-        return "one" if batch_size == 1 else "many"
+    def bucket(self, batch_size: int) -> str:
+        """The bucket whose range holds batch_size: the last one starting at or below it."""
+        return [name for name, smallest in self.buckets.items() if smallest <= batch_size][-1]
 
     def forward(self, tokens: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
         """One new token per slot at its length -> next-token logits (b, V) float32."""
@@ -124,27 +129,59 @@ class DecodeExecutor:
 
     @torch.inference_mode()
     def compile(self) -> None:
-        """Compile both graphs (blocking), each on a scratch cache; the live cache is never touched."""
+        """Compile every bucket's graph (blocking), each on a scratch cache; the live cache is never touched."""
         compiled = torch.compile(self.step)
+        for name, (batch_size, largest) in ((name, self.sizes(name)) for name in self.buckets):
+            started = time.perf_counter()
+            compiled(*self._scratch_step(batch_size, dynamic_batch=largest != batch_size))
+            self.graphs[name] = compiled
+            log.info("compiled decode step for %s in %.1f s", self.describe(name), time.perf_counter() - started)
+
+    def _scratch_step(self, batch_size: int, dynamic_batch: bool) -> tuple[torch.Tensor, ...]:
+        """step()'s arguments for batch_size rows on a scratch cache of the live cache's layout, its sizes marked dynamic
+        (the batch's only where the bucket holds more than one size).
+
+        The dynamic sizes differ from each other and from 0/1, so that torch keeps each its own symbol (equal
+        sizes would share one, and a guard on their equality); one live slot stays one (torch specializes
+        size 1, and the live cache would not match a symbol).
+        """
         data = self.cache.data
-        # Sizes that differ from each other and from 0/1, so that torch keeps every dimension symbolic;
-        # one slot stays one (torch specializes size 1, and the live cache would not match a symbol).
-        scratch_slots, scratch_len = (3 if data.shape[2] > 1 else 1), 7
+        sizes = (n for n in itertools.count(3) if n != batch_size)
+        scratch_slots = next(sizes) if data.shape[2] > 1 else 1
+        kv_len, scratch_len = next(sizes), next(sizes)
         with torch.inference_mode(False):  # made as the live cache is, so the graph's guards match it
             scratch = torch.zeros(*data.shape[:2], scratch_slots, data.shape[3], scratch_len, data.shape[5],
                                   dtype=data.dtype, device=data.device)
-        for name, batch_size in (("one", 1), ("many", 2)):
-            started = time.perf_counter()
-            tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=data.device)
-            slot_index = torch.arange(batch_size, device=data.device)
-            positions = torch.full((batch_size, 1), 4, device=data.device)
-            mask = torch.ones(batch_size, 1, 1, 5, dtype=torch.bool, device=data.device)
-            batch_dim = [0] if batch_size > 1 else []
-            for tensor, dims in ((tokens, batch_dim), (slot_index, batch_dim), (positions, batch_dim),
-                                 (mask, batch_dim + [3]), (scratch, [4] + [2] * (scratch_slots > 1))):
-                for dim in dims:
-                    torch._dynamo.mark_dynamic(tensor, dim)
-            compiled(tokens, slot_index, positions, mask, scratch)
-            self.graphs[name] = compiled
-            log.info("compiled decode step for %s in %.1f s", "batch 1" if name == "one" else "batches of 2 or more",
-                     time.perf_counter() - started)
+        tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=data.device)
+        slot_index = torch.zeros(batch_size, dtype=torch.long, device=data.device)  # every row in scratch slot 0
+        positions = torch.full((batch_size, 1), kv_len - 1, device=data.device)
+        mask = torch.ones(batch_size, 1, 1, kv_len, dtype=torch.bool, device=data.device)
+        batch_dim = [0] if dynamic_batch else []
+        for tensor, dims in ((tokens, batch_dim), (slot_index, batch_dim), (positions, batch_dim),
+                             (mask, batch_dim + [3]), (scratch, [4] + [2] * (scratch_slots > 1))):
+            for dim in dims:
+                torch._dynamo.mark_dynamic(tensor, dim)
+        return tokens, slot_index, positions, mask, scratch
+
+    def sizes(self, bucket: str) -> tuple[int, int | None]:
+        """The smallest and largest batch a bucket serves (None: no largest)."""
+        smallest = self.buckets[bucket]
+        following = [n for n in self.buckets.values() if n > smallest]
+        return smallest, following[0] - 1 if following else None
+
+    def describe(self, bucket: str) -> str:
+        """The batch sizes a bucket serves, in words."""
+        smallest, largest = self.sizes(bucket)
+        if largest is None:
+            return f"batches of {smallest} or more"
+        return f"batch {smallest}" if largest == smallest else f"batches of {smallest} to {largest}"
+
+
+def batch_buckets(model: Transformer) -> dict[str, int]:
+    """Each decode bucket by the smallest batch it serves: one sequence, then any larger batch, split where
+    the LM head changes form."""
+    head = model.lm_head
+    switch = head.dense_from if isinstance(head, TiedHead) else None
+    if switch is None or switch <= 2:
+        return {"one": 1, "many": 2}
+    return {"one": 1, "few": 2, "many": switch}

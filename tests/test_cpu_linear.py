@@ -15,7 +15,7 @@ def test_float32_equals_linear_for_every_row_count(shape, bias):
     torch.manual_seed(0)
     linear = nn.Linear(256, 512, bias=bias)  # 2^17 weights: large enough for W·xᵀ
     x = torch.randn(*shape, 256)
-    ours = CpuLinear(linear, widen_bfloat16=True)(x)  # 200 rows: x·Wᵀ; fewer: W·xᵀ
+    ours = CpuLinear(linear.weight, linear.bias, widen_bfloat16=True)(x)  # 200 rows: x·Wᵀ; fewer: W·xᵀ
     assert ours.shape == (*shape, 512) and ours.is_contiguous()
     torch.testing.assert_close(ours, linear(x), atol=1e-5, rtol=1e-5)
 
@@ -25,7 +25,7 @@ def test_bfloat16_widened_equals_bfloat16_linear(rows):
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=True).to(torch.bfloat16)
     x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
-    ours = CpuLinear(linear, widen_bfloat16=True)(x)
+    ours = CpuLinear(linear.weight, linear.bias, widen_bfloat16=True)(x)
     assert ours.dtype == torch.bfloat16 and ours.shape == (1, rows, 96)
     # Both accumulate in float32 and round once to bfloat16; the order of the sums may differ by an ulp.
     torch.testing.assert_close(ours, linear(x), atol=2e-2, rtol=1e-2)

@@ -145,7 +145,8 @@ def test_the_gguf_served_as_stored_still_names_paris(model_path, engine):
     # What `python -m server` serves by default: the GGUF's Q4_1 blocks and Q8_0 LM head as stored.
     quantized = Engine.from_pretrained(model_path, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=512))
     assert quantized.dtype == torch.bfloat16
-    layers = [quantized.model.lm_head] + [m for block in quantized.model.layers for m in (
+    assert quantized.model.lm_head.dense.weight is quantized.model.embed_tokens.weight  # tied: codes and the embedding
+    layers = [quantized.model.lm_head.codes] + [m for block in quantized.model.layers for m in (
         block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)]
     assert all(isinstance(m, GroupLinear) for m in layers)
     assert [m.halves for m in layers[:2]] == [2, 1]  # the head 8-bit (Q8_0), the blocks 4-bit (Q4_1)
