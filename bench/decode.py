@@ -14,6 +14,7 @@ from bench.common import Timing, machine, machine_line, markdown_table, plot, ti
 from engine import Engine, EngineConfig, SamplingParams
 from engine.quantization import WeightOnlyLinear
 from engine.cpu_linear import CpuLinear
+from engine.tied_head import TiedHead
 from weights.checkpoint import transformers_files
 from weights.gguf_file import WEIGHTS_NAME, import_gguf
 
@@ -135,9 +136,14 @@ def reference_run(args, path: Path, prompts, long_prompt, new_tokens: int, repea
     return result | {"gguf": gguf.name}
 
 
-def projections(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every matrix product of a decode step: the blocks' projections and the LM head, whatever their kind."""
-    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, CpuLinear, WeightOnlyLinear))]
+def projections(model: torch.nn.Module, rows: int = 1) -> list[torch.nn.Module]:
+    """Every matrix product of a decode step of `rows` sequences: the blocks' projections and the LM head (in
+    the form it takes for that many rows), whatever their kind."""
+    head = model.lm_head
+    if isinstance(head, TiedHead):
+        head = head.dense if head.dense_from is not None and rows >= head.dense_from else head.codes
+    blocks = [m for m in model.layers.modules() if isinstance(m, (torch.nn.Linear, CpuLinear, WeightOnlyLinear))]
+    return blocks + [head]
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -145,11 +151,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for m in projections(model) for t in [*m.parameters(), *m.buffers()])
 
 
-def matmul_floor(model: torch.nn.Module, repeats: int) -> Timing:
-    """One batch-1 decode step's matrix products alone, back to back: the lower bound of a step with these kernels."""
+def matmul_floor(model: torch.nn.Module, repeats: int, rows: int = 1) -> Timing:
+    """One decode step's matrix products alone for `rows` sequences, back to back: the lower bound of a step with
+    these kernels."""
     dtype = model.embed_tokens.weight.dtype
-    layers = projections(model)
-    inputs = {m.in_features: torch.randn(1, m.in_features, dtype=dtype) for m in layers}
+    layers = projections(model, rows)
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in layers}
 
     @torch.inference_mode()
     def products():

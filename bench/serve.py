@@ -10,13 +10,16 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
+import torch
 
-from bench.common import machine, machine_line, markdown_table, plot, write_results
+from bench.common import machine, machine_line, markdown_table, plot, timed, write_results
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -111,28 +114,65 @@ async def level(url: str, concurrency: int, requests: int, prompt: str, new_toke
         return results, time.perf_counter() - started
 
 
-def offline_tokens_per_s(args: argparse.Namespace, prompt: str, new_tokens: int) -> float | None:
-    """The same single request through the engine in this process, for the HTTP overhead ratio."""
+def offline(args: argparse.Namespace, prompt: str, new_tokens: int, rows: int) -> tuple[float, float] | None:
+    """The same single request through the engine in this process, for the HTTP overhead ratio (tokens/s), and the
+    matrix products alone of one decode step of `rows` sequences (seconds), the floor of that step."""
     if args.url:
         return None
+    from bench.decode import matmul_floor
     from engine import Engine, EngineConfig, SamplingParams
     from weights.resolve import resolve_model
 
-    engine = Engine.from_pretrained(resolve_model(args.model), EngineConfig(dtype=args.dtype, max_batch_size=1,
-                                                                            prefix_caching=False,
-                                                                            max_seq_len=1024, quantize=args.quantize))
+    engine = Engine.from_pretrained(resolve_model(args.model), EngineConfig(
+        dtype=args.dtype, max_batch_size=args.max_batch_size, prefix_caching=False, max_seq_len=1024,
+        quantize=args.quantize, compile=args.compile))
+    engine.compile()  # as the server will decode
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompt], params)  # warm-up
     started = time.perf_counter()
     engine.generate([prompt], params)
-    return new_tokens / (time.perf_counter() - started)
+    return new_tokens / (time.perf_counter() - started), matmul_floor(engine.model, 1, rows).median
+
+
+def references(args: argparse.Namespace, prompt: str, new_tokens: int) -> dict[str, float]:
+    """What the HTTP figures are held against, measured in this run before the server starts (not with --quick
+    or --url): llama.cpp's batch-1 decode on the model's GGUF and transformers' batch of 8, in tokens/s."""
+    if args.url or args.quick:
+        return {}
+    from transformers import AutoModelForCausalLM
+
+    from bench import llama_cpp
+    from bench.decode import dense_folder
+    from engine.device import resolve_dtype
+    from engine.tokenizer import Tokenizer
+    from weights.gguf_file import WEIGHTS_NAME
+    from weights.resolve import resolve_model
+
+    path = resolve_model(args.model)
+    ids = Tokenizer.from_dir(path).encode(prompt)
+    found = {}
+    if llama_cpp.available() and (path / WEIGHTS_NAME).is_file():
+        measured = llama_cpp.measure(path / WEIGHTS_NAME, ids, ids, new_tokens, torch.get_num_threads(), repeats=3)
+        found["llama.cpp batch 1"] = 1 / measured["decode_per_token_s"]
+    with tempfile.TemporaryDirectory() as scratch:
+        theirs = AutoModelForCausalLM.from_pretrained(dense_folder(path, Path(scratch)),
+                                                      dtype=resolve_dtype(args.dtype, torch.device("cpu"))).eval()
+    batch = torch.tensor([ids] * 8)  # (8, prompt)
+
+    @torch.inference_mode()
+    def generate(n: int):
+        return theirs.generate(batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    found["transformers batch 8"] = 8 * new_tokens / timed(lambda: generate(new_tokens), 1).median
+    return found
 
 
 def run(args: argparse.Namespace) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     new_tokens = min(args.new_tokens, 8) if args.quick else args.new_tokens
     prompt = " ".join(["hello"] * args.prompt_tokens)
-    offline = offline_tokens_per_s(args, prompt, new_tokens)
+    offline_tokens_per_s, floor_s = offline(args, prompt, new_tokens, levels[-1]) or (None, None)
+    reference = references(args, prompt, new_tokens)
     rows, records = [], []
     # Every request sends the same prompt: with prefix caching all but the first would skip their prefill.
     with (local_server(args, ["--prefix-caching", "off"]) if args.url is None else _given(args.url)) as url:
@@ -179,12 +219,22 @@ def run(args: argparse.Namespace) -> dict:
     if single and len(levels) > 1:
         lines.append(f"Aggregate tokens/s at concurrency {levels[-1]} / concurrency 1: "
                      f"{records[-1]['output_tokens_per_s'] / single:.2f}x.")
-    if offline and single:
+    if offline_tokens_per_s and single:
         lines.append(f"One request over HTTP: {single:.1f} tokens/s; the same request offline in the engine: "
-                     f"{offline:.1f} tokens/s (HTTP / offline = {single / offline:.2f}).")
+                     f"{offline_tokens_per_s:.1f} tokens/s (HTTP / offline = {single / offline_tokens_per_s:.2f}).")
+    if floor_s:
+        lines.append(f"The matrix products alone of one decode step of {levels[-1]} sequences: {floor_s * 1e3:.1f} ms, "
+                     f"at most {levels[-1] / floor_s:.0f} tokens/s with these kernels.")
+    if reference:
+        lines += ["", "Measured in this run, before the server started (output tokens/s):"]
+        lines += [f"- {name}: {tps:.1f}; kvserve over HTTP at concurrency " + ", ".join(
+            f"{r['concurrency']}: {r['output_tokens_per_s'] / tps:.2f}x" for r in records)
+            for name, tps in reference.items()]
     table = "\n".join(lines)
     payload = {"machine": info, "new_tokens": new_tokens, "levels": records, "server_view": server_view,
-               "client_tokens": client_tokens, "client_requests": client_requests, "offline_tokens_per_s": offline}
+               "client_tokens": client_tokens, "client_requests": client_requests, "offline_tokens_per_s": offline_tokens_per_s,
+               "products_floor_s": floor_s,
+               "references_tokens_per_s": reference}
     write_results(args.out, "serve", payload, table)
     plot(args.out, "serve", "HTTP streaming throughput", "concurrent streams", "output tokens/s (all streams)",
          {"output tokens/s": (levels, [r["output_tokens_per_s"] for r in records])}, logx=True)

@@ -57,6 +57,7 @@ def test_serve_load_agrees_with_the_servers_metrics(tmp_path, model_dir):
         assert level["ttft_p50_s"] <= level["ttft_p99_s"]
     assert payload["server_view"]["kvserve_generation_tokens_total"] == payload["client_tokens"]
     assert payload["server_view"]["requests"] == payload["client_requests"]
+    assert payload["products_floor_s"] > 0 and payload["references_tokens_per_s"] == {}  # --quick: no references
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
