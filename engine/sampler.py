@@ -91,8 +91,8 @@ def _sample(scores: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor
     device = scores.device
     params = [r.params for r in rows]
     scores = scores / column(rows, "temperature", device)[:, None]
-    if any(p.top_k > 0 for p in params):
-        scores = top_k_filter(scores, column(rows, "top_k", device))
+    if any(p.top_k > 0 for p in params):  # a k past the vocabulary (even past int64) keeps every token
+        scores = top_k_filter(scores, torch.tensor([min(p.top_k, scores.shape[-1]) for p in params], device=device))
     if any(p.top_p < 1 for p in params):
         scores = top_p_filter(scores, column(rows, "top_p", device))
     if any(p.min_p > 0 for p in params):

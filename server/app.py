@@ -105,7 +105,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             metrics.failures.labels(reason="validation").inc()
             return error_response(request.url.path, 422, "the request body is not valid JSON (it must be UTF-8 "
                                   "encoded JSON)", "validation")
-        return error_response(request.url.path, e.status_code, str(e.detail), "http")
+        return error_response(request.url.path, e.status_code, str(e.detail), "http", headers=e.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):  # a bug; say so without a stack trace

@@ -27,6 +27,11 @@ ERROR_BODIES = {
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
 }
 OPEN_PATHS = {"/health", "/metrics"}  # never behind the API key
+# One Server-Sent Event as a client parses it (OpenAPI 3.1 has a streamed media type's schema describe each event):
+# a JSON object in `data`, or `[DONE]` to end an OpenAI stream; TGI names its events.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "contentMediaType": "application/json"}, "event": {"type": "string"},
+    "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -54,7 +59,7 @@ def described(schema: dict) -> dict:
                     responses[status] = {"description": when, "content": error}
             if path in STREAMING:
                 content = responses["200"].setdefault("content", {})
-                content["text/event-stream"] = {"schema": {"type": "string"},
+                content["text/event-stream"] = {"schema": SSE_EVENT,
                                                 "description": "Server-Sent Events, when the request streams"}
                 if path == "/generate_stream":
                     content.pop("application/json", None)

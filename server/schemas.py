@@ -11,9 +11,10 @@ from engine.sampling import MAX_TOP_LOGPROBS
 
 
 class Strict(BaseModel):
-    # Unknown fields are errors that name them: a typo must not be silently ignored. Booleans are StrictBool
-    # throughout: "stream": 0 or "false" is an error, not a boolean.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are errors that name them: a typo must not be silently ignored. Types are strict, as the
+    # schema says: "stream": 0 or "false" is not a boolean, "min_p": false not a number, 2.0 not an integer
+    # (an integer is still a number).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def unsupported(model: BaseModel, neutral: dict[str, tuple]) -> None:
@@ -97,9 +98,9 @@ class StreamOptions(Strict):
 
 
 class OpenAISampling(BaseModel):
-    """Fields common to completions and chat; unknown fields are errors."""
+    """Fields common to completions and chat; unknown fields are errors, types strict (as Strict's)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -199,11 +200,13 @@ class CompletionRequest(OpenAISampling):
 
 
 class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)  # other fields a client sends with a message (tool_calls) are ignored
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None

@@ -85,6 +85,13 @@ def test_top_k_one_equals_greedy(make_engine):
     assert greedy[0].output_ids == top1[0].output_ids
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token(make_engine):
+    engine = make_engine()
+    sampled = [SamplingParams(max_new_tokens=10, temperature=1.5, seed=7, top_k=k, ignore_eos=True) for k in (0, 10**30)]
+    off, huge = engine.generate(["Paris is", "Paris is"], sampled)  # 10**30 overflows int64: it must not reach torch
+    assert off.output_ids == huge.output_ids and off.finish_reason == huge.finish_reason == "length"
+
+
 def test_same_seed_same_tokens_alone_and_in_a_batch(make_engine):
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
     alone = make_engine().generate(["Once upon a time"], seeded)[0].output_ids
