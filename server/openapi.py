@@ -27,6 +27,55 @@ ERROR_BODIES = {
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
 }
 OPEN_PATHS = {"/health", "/metrics"}  # never behind the API key
+
+
+def obj(required: dict, optional: dict | None = None) -> dict:
+    """A JSON object schema: these properties always present, those sometimes; others allowed."""
+    return {"type": "object", "required": list(required), "properties": required | (optional or {})}
+
+
+def array(items: dict) -> dict:
+    return {"type": "array", "items": items}
+
+
+INT, NUM, STR, BOOL = {"type": "integer"}, {"type": "number"}, {"type": "string"}, {"type": "boolean"}
+MAYBE_NUM, MAYBE_STR = {"type": ["number", "null"]}, {"type": ["string", "null"]}
+TGI_TOKEN = obj({"id": INT, "text": STR, "logprob": MAYBE_NUM, "special": BOOL})
+TGI_SEQUENCE = {  # what every generated sequence's details hold; the best one adds its alternatives
+    "finish_reason": STR, "generated_tokens": INT, "seed": {"type": ["integer", "null"]}, "input_length": INT,
+    "cached_input_tokens": INT, "prefill": array(obj({"id": INT, "text": STR, "logprob": MAYBE_NUM})),
+    "tokens": array(TGI_TOKEN)}
+USAGE = obj({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT},
+            {"prompt_tokens_details": obj({"cached_tokens": INT})})
+OPENAI_HEAD = {"id": STR, "object": STR, "created": INT, "model": STR}
+CHAT_LOGPROB = obj({"token": STR, "logprob": NUM, "bytes": array(INT)})
+RESPONSE_BODIES = {  # the 200 bodies, by schema name
+    "TGIGenerated": obj({"generated_text": STR}, {"details": obj(TGI_SEQUENCE, {
+        "top_tokens": array(array(TGI_TOKEN)),
+        "best_of_sequences": array(obj(TGI_SEQUENCE | {"generated_text": STR}))})}),
+    "Tokens": array(obj({"id": INT, "text": STR, "start": INT, "stop": INT})),
+    "Completion": obj(OPENAI_HEAD | {"choices": array(obj({
+        "index": INT, "text": STR, "finish_reason": MAYBE_STR,
+        "logprobs": {"anyOf": [{"type": "null"}, obj({
+            "tokens": array(STR), "token_logprobs": array(MAYBE_NUM), "text_offset": array(INT),
+            "top_logprobs": {"anyOf": [{"type": "null"},  # null when logprobs is 0
+                                       array({"type": ["object", "null"], "additionalProperties": NUM})]}})]}})),
+        "usage": USAGE}),
+    "ChatCompletion": obj(OPENAI_HEAD | {"choices": array(obj({
+        "index": INT, "message": obj({"role": STR, "content": MAYBE_STR}), "finish_reason": MAYBE_STR,
+        "logprobs": {"anyOf": [{"type": "null"}, obj({"content": array(
+            obj(CHAT_LOGPROB["properties"] | {"top_logprobs": array(CHAT_LOGPROB)}))})]}})),
+        "usage": USAGE}),
+    "ModelList": obj({"object": STR, "data": array(obj({"id": STR, "object": STR, "created": INT, "owned_by": STR},
+                                                         {"max_model_len": INT}))}),
+    "Info": obj({"model_id": STR, "dtype": STR, "device": STR, "max_batch_size": INT, "max_seq_len": INT,
+                 "quantized": BOOL, "weights_bytes": INT, "prefix_caching": BOOL, "compiled_decode": array(STR),
+                 "kv_cache": obj({"capacity_bytes": INT})}),
+    "Health": obj({"status": STR}),
+}
+RESPONSES = {"/generate": "TGIGenerated", "/": "TGIGenerated", "/tokenize": "Tokens",
+             "/v1/completions": "Completion", "/v1/chat/completions": "ChatCompletion", "/v1/models": "ModelList",
+             "/info": "Info", "/health": "Health"}
 # One Server-Sent Event as a client parses it (OpenAPI 3.1 has a streamed media type's schema describe each event):
 # a JSON object in `data`, or `[DONE]` to end an OpenAI stream; TGI names its events.
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
@@ -44,7 +93,7 @@ def install_openapi(app: FastAPI) -> None:
 
 
 def described(schema: dict) -> dict:
-    schema.setdefault("components", {}).setdefault("schemas", {}).update(ERROR_BODIES)
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(ERROR_BODIES | RESPONSE_BODIES)
     for path, operations in schema["paths"].items():
         body = "OpenAIError" if path.startswith("/v1") else "TGIError"
         error = {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}
@@ -57,6 +106,9 @@ def described(schema: dict) -> dict:
             for status, when in ERRORS.items():
                 if applies(status, path, method):
                     responses[status] = {"description": when, "content": error}
+            if path in RESPONSES:
+                responses["200"]["content"] = {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{RESPONSES[path]}"}}}
             if path in STREAMING:
                 content = responses["200"].setdefault("content", {})
                 content["text/event-stream"] = {"schema": SSE_EVENT,
