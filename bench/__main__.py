@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix,soak}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -91,6 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--dtype", default="auto")
     soak.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
     soak.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+
+    storm = command("storm", help="storms of dropped streams (leaked slots) and more requests at once than the queue "
+                                   "takes (only 200/429, RSS flat)")
+    storm.add_argument("--storms", type=int, default=3)
+    storm.add_argument("--streams", type=int, default=64, help="streams opened and dropped per storm")
+    storm.add_argument("--requests", type=int, default=200, help="requests sent at once in the overload")
+    storm.add_argument("--max-queue", type=int, default=32, help="the overloaded server's --max-queue")
+    storm.add_argument("--new-tokens", type=int, default=32)
+    storm.add_argument("--model", default=None, help="model for the servers this starts (default: the default model)")
+    storm.add_argument("--max-batch-size", type=int, default=16)
+    storm.add_argument("--dtype", default="auto")
+    storm.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
+    storm.add_argument("--compile", default="off", choices=["auto", "on", "off"])
 
     args = parser.parse_args(argv)
     if args.threads:

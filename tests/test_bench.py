@@ -89,3 +89,15 @@ def test_soak_reports_errors_memory_and_windows(tmp_path, model_dir):
     assert {"rss_growth_pct", "itl_p99_ms_first_window", "itl_p99_ms_last_window"} <= payload.keys()
     assert all(w["p50_ms"] <= w["p99_ms"] for w in payload["windows"])
     assert (tmp_path / "soak.png").stat().st_size > 0
+
+
+def test_storm_frees_every_dropped_stream_and_overload_answers_200_or_429(tmp_path, model_dir):
+    bench(tmp_path, "storm", "--model", str(model_dir("long")), "--dtype", "float32", "--max-batch-size", "4",
+          "--max-queue", "8")
+    payload = json.loads((tmp_path / "storm.json").read_text())
+    (storm,) = payload["storms"]
+    assert storm["streamed"] == storm["streams"] == 16 and payload["leaked_slots"] == storm["left_waiting"] == 0
+    overload = payload["overload"]
+    # 40 at once, twice, to 4 slots and a queue of 8: some are refused, each with Retry-After, and nothing else.
+    assert overload["only_200_and_429"] and overload["statuses"]["429"] > 0 and overload["429_without_retry_after"] == 0
+    assert overload["statuses"]["200"] + overload["statuses"]["429"] == 80 and overload["health_after"] == 200
