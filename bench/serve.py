@@ -39,6 +39,10 @@ def scrape(client: httpx.Client) -> dict[str, float]:
                 values[sample.name] = sample.value
             elif sample.name == "kvserve_requests_total":
                 values["requests"] = values.get("requests", 0) + sample.value
+            elif sample.name in ("kvserve_engine_step_seconds_count", "kvserve_engine_step_seconds_sum"):
+                values[sample.name] = sample.value
+            elif sample.name == "kvserve_engine_step_seconds_bucket" and sample.labels["le"] == "1.0":
+                values["engine_steps_within_1s"] = sample.value
     return values
 
 

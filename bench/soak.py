@@ -136,6 +136,9 @@ def run(args: argparse.Namespace) -> dict:
     client_tokens = sum(r["tokens"] for r in records if r["status"] == 200)
     server_tokens = after["kvserve_generation_tokens_total"] - before["kvserve_generation_tokens_total"]
     rows = windows(records, result["started"], minutes * 60)
+    steps = after["kvserve_engine_step_seconds_count"] - before["kvserve_engine_step_seconds_count"]
+    step_seconds = after["kvserve_engine_step_seconds_sum"] - before["kvserve_engine_step_seconds_sum"]
+    slow_steps = steps - (after["engine_steps_within_1s"] - before["engine_steps_within_1s"])
     warm = next((rss for t, rss in memory if t >= WINDOW_S), memory[-1][1]) if memory else float("nan")
     end = memory[-1][1] if memory else float("nan")
     steady = rows[1:] or rows  # the first window includes warm-up
@@ -146,7 +149,8 @@ def run(args: argparse.Namespace) -> dict:
         "rss_growth_pct": (end - warm) / warm * 100,
         "itl_p99_ms_first_window": steady[0]["p99_ms"] if steady else None,
         "itl_p99_ms_last_window": steady[-1]["p99_ms"] if steady else None,
-        "windows": rows, "memory": memory,
+        "engine_steps": steps, "engine_step_mean_ms": step_seconds / steps * 1e3 if steps else None,
+        "engine_steps_over_1s": slow_steps, "windows": rows, "memory": memory,
     }
     median_p99 = percentile([w["p99_ms"] for w in steady], 50) if steady else float("nan")
     table = "\n".join([
@@ -156,6 +160,8 @@ def run(args: argparse.Namespace) -> dict:
         f"clients received {client_tokens} tokens, the server's metrics counted {server_tokens}.", "",
         f"Server memory (RSS): {warm:.0f} MiB after the first {WINDOW_S:g} s, {end:.0f} MiB at the end "
         f"({payload['rss_growth_pct']:+.2f}%).", "",
+        f"Engine steps (the server's kvserve_engine_step_seconds): {steps:.0f}, {payload['engine_step_mean_ms'] or 0:.1f} ms "
+        f"on average, {slow_steps:.0f} over 1 s.", "",
         markdown_table(["window", "from s", "gaps", "inter-token p50 ms", "p99 ms"],
                        [[w["window"], f"{w['start_s']:.0f}", w["gaps"], f"{w['p50_ms']:.1f}", f"{w['p99_ms']:.1f}"]
                         for w in rows]), "",

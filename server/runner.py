@@ -101,6 +101,7 @@ class EngineRunner:
         self.failure: str | None = None  # why nothing can be served: the model did not load, or the loop died
         self.snapshot = Snapshot()
         self.weights_bytes = 0
+        self.step_observers: list[Callable[[float], None]] = []  # each told every engine step's seconds (loop thread)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         self._active = 0  # accepted and not yet finished, counted on the event loop only
@@ -225,6 +226,8 @@ class EngineRunner:
                 continue
             self._update_snapshot()
             now = time.perf_counter()
+            for observe in self.step_observers:
+                observe(now - step_started)
             self._send([(e.request_id, self._timed(e, now, step_started)) for e in events])
             self._expire(now)
 

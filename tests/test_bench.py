@@ -87,6 +87,7 @@ def test_soak_reports_errors_memory_and_windows(tmp_path, model_dir):
     assert payload["errors"] == 0 and payload["requests"] > 0
     assert payload["tokens_agree"] and payload["client_tokens"] == payload["server_tokens"] > 0
     assert {"rss_growth_pct", "itl_p99_ms_first_window", "itl_p99_ms_last_window"} <= payload.keys()
+    assert payload["engine_steps"] > 0 and 0 <= payload["engine_steps_over_1s"] <= payload["engine_steps"]
     assert all(w["p50_ms"] <= w["p99_ms"] for w in payload["windows"])
     assert (tmp_path / "soak.png").stat().st_size > 0
 

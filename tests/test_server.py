@@ -267,6 +267,7 @@ def test_metrics_agree_with_what_clients_received(server):
     assert delta('kvserve_request_failures_total{"reason": "validation"}') == 1
     assert delta("kvserve_time_to_first_token_seconds_count") == 4
     assert delta("kvserve_inter_token_latency_seconds_count") == received - 4
+    assert delta("kvserve_engine_step_seconds_count") == received  # one request at a time: a token per step
     info = httpx.get(f"{server.url}/info").json()["kv_cache"]
     assert after["kvserve_kv_cache_capacity_bytes"] == info["capacity_bytes"] == (
         2 * info["B"] * info["L"] * info["T"] * info["h_kv"] * info["d_h"] * info["itemsize"])
