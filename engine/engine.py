@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -19,6 +20,7 @@ from engine.model import Transformer, build_model
 from engine.quantization import QUANTIZE_MODES, WeightOnlyLinear, weights_bytes
 from engine.request import FinishReason, Request, RequestFailed, TokenEvent
 from engine.rope import RotaryTable
+from engine.grammar import Grammars, allowed_tokens
 from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
@@ -101,6 +103,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed if config.seed is not None else torch.seed())
+        self._grammars: Grammars | None = None
+        self._grammars_made = threading.Lock()
         log.info(self.cache.describe())
 
     def _slots(self, model_config, max_seq_len: int) -> int:
@@ -162,10 +166,23 @@ class Engine:
             params=params,
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+            grammar=self.grammars.start(params.grammar) if params.grammar else None,
         )
         self.requests[request_id] = request
         self.scheduler.enqueue(request)
         return request
+
+    @property
+    def grammars(self) -> Grammars:
+        """Grammars compiled for this model's tokenizer (any thread may compile): made on first use, since
+        reading a large vocabulary into llguidance takes about a second."""
+        with self._grammars_made:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidParameter("a grammar needs the model's tokenizer, and this engine has none")
+                self._grammars = Grammars(self.tokenizer.backend.to_str(), self.model.config.vocab_size,
+                                          self.tokenizer.eos_token_ids)
+            return self._grammars
 
     @property
     def compile_blocker(self) -> str | None:
@@ -365,7 +382,7 @@ class Engine:
         if done:
             rows, offsets = batch.last_index()
             logits = self.model.logits(hidden[rows[done], offsets[done]])  # (done, V): each last prompt position
-            choices = dict(zip(done, select_tokens(logits, [requests[row] for row in done])))
+            choices = dict(zip(done, self._select(logits, [requests[row] for row in done])))
         for row, (request, n) in enumerate(zip(requests, lengths)):
             request.prefilled += n
             if row in scores:
@@ -388,10 +405,17 @@ class Engine:
     def _decode(self, requests: list[Request]) -> list[Choice]:
         logits = self.executor.forward([r.output_ids[-1] for r in requests], [r.slot for r in requests],
                                        [r.cached_tokens for r in requests])  # (b, V)
-        return select_tokens(logits, requests)
+        return self._select(logits, requests)
 
-    def _append(self, request: Request, choice: Choice) -> TokenEvent:
+    def _select(self, logits: torch.Tensor, requests: list[Request]) -> list[Choice]:
+        """Each request's next token from its logits row (b, V), within what its grammar allows."""
+        allowed = allowed_tokens([r.grammar for r in requests], logits.shape[-1], logits.device)
+        return select_tokens(logits, requests, allowed)
+
+    def _append(self, request: Request, choice: Choice) -> TokenEvent | RequestFailed:
         token = choice.token
+        if request.grammar is not None and not request.grammar.consume_token(token):  # only if it allowed nothing
+            return self._fail(request, f"the grammar allows no token here: {request.grammar.get_error()}")
         request.output_ids.append(token)
         text = request.detokenizer.push(token) if request.detokenizer else ""
         reason, stop_string = self._finish_reason(request, token, text)
@@ -408,6 +432,8 @@ class Engine:
     def _finish_reason(self, request: Request, token: int, piece: str) -> tuple[FinishReason | None, str | None]:
         params = request.params
         if token in params.stop_token_ids or (not params.ignore_eos and self.tokenizer and token in self.tokenizer.eos_token_ids):
+            return FinishReason.EOS, None
+        if request.grammar is not None and request.grammar.is_stopped():  # complete: nothing may follow but EOS
             return FinishReason.EOS, None
         if params.stop and piece:
             # Only a stop string that ends inside the new piece can be new: earlier text was checked already.

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampler import Choice
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class Status(enum.Enum):
@@ -65,6 +69,7 @@ class Request:
     reused_tokens: int = 0  # leading prompt tokens its slot already held at admission (prefix caching)
     prefilled: int = 0  # leading prompt tokens its slot holds: reused, then written chunk by chunk
     copy_from: int | None = None  # at admission: the running slot its reused tokens are copied from
+    grammar: LLMatcher | None = None  # follows the output through params.grammar, when the request has one
 
     @property
     def num_tokens(self) -> int:

@@ -34,16 +34,19 @@ class Choice:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState]) -> list[Choice]:
+def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState],
+                  allowed: torch.Tensor | None = None) -> list[Choice]:
     """logits (b, V) float32 -> each row's next token, with log-probabilities under the model.
 
-    Log-probabilities are the model's own (before penalties, temperature and filters), as
-    OpenAI and TGI report them. A row of non-finite logits raises: the model failed on it, and
-    no token drawn from it would mean anything.
+    `allowed` (b, V) bool, when given, holds the only tokens each row may take (its grammar's), before
+    any other filter. Log-probabilities are the model's own (before grammars, penalties, temperature
+    and filters), as OpenAI and TGI report them. A row of non-finite logits raises: the model failed
+    on it, and no token drawn from it would mean anything.
     """
     if not torch.isfinite(logits).all():
         raise FloatingPointError("the model produced non-finite logits")
-    scores = _penalize(logits, rows) if any(r.params.has_penalties for r in rows) else logits
+    scores = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    scores = _penalize(scores, rows) if any(r.params.has_penalties for r in rows) else scores
     tokens = scores.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:

@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0  # the most likely tokens to report, with logprobs, at each step
     prompt_logprobs: bool = False  # also score every prompt token (with top_logprobs alternatives) at prefill
+    grammar: str | None = None  # llguidance grammar text the output must follow (engine/grammar.py makes it)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -60,6 +61,8 @@ class SamplingParams:
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
         check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
               f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar != ""),
+              "grammar must be a non-empty grammar text")
 
     @property
     def greedy(self) -> bool:

@@ -151,6 +151,13 @@ def start(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params:
     return Generation(runner, metrics, stream)
 
 
+async def compile_grammar(runner: EngineRunner, params: SamplingParams) -> None:
+    """The request's grammar compiled on a worker thread (or refused: 422), so that the engine thread, admitting
+    the request, only copies it from the cache of compiled grammars."""
+    if params.grammar is not None:
+        await asyncio.to_thread(validated, lambda: runner.engine.grammars.compile(params.grammar))
+
+
 def start_sequences(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params: SamplingParams,
                     n: int, name: str) -> list[Generation]:
     """n sequences of one prompt (OpenAI's `n`, TGI's `best_of`), all admitted or none. Sequence i samples

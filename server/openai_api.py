@@ -53,10 +53,11 @@ def model_name(request: Request) -> str:
     return request.app.state.settings.served_model_name
 
 
-def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None,
-          default: int) -> list[generation.Generation]:
+async def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None,
+                default: int) -> list[generation.Generation]:
     runner, metrics = request.app.state.runner, request.app.state.metrics
     params = generation.validated(lambda: body.sampling(max_tokens, default))
+    await generation.compile_grammar(runner, params)
     return generation.start_sequences(runner, metrics, prompt_ids, params, body.n, "n")
 
 
@@ -185,7 +186,7 @@ def create_router() -> APIRouter:
         else:  # token ids, as vLLM takes them: echoed as their text
             prompt_ids = generation.checked_token_ids(runner, body.prompt)
             prompt_text = runner.engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        gens = admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
+        gens = await admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
         ident, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
         want_logprobs, tokenizer = body.logprobs is not None, runner.engine.tokenizer
 
@@ -234,7 +235,7 @@ def create_router() -> APIRouter:
         runner = request.app.state.runner
         prompt_ids = await generation.tokenize_chat(runner, body.rendered_messages(), body.parse_special)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        gens = admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
+        gens = await admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
         ident, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
 
         def chunk_maker(index: int):

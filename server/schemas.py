@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from engine import SamplingParams
-from engine.sampling import MAX_TOP_LOGPROBS
+from engine.grammar import choice_grammar, json_object_grammar, json_schema_grammar, lark_grammar, regex_grammar
+from engine.sampling import MAX_TOP_LOGPROBS, InvalidParameter
 
 
 class Strict(BaseModel):
@@ -23,6 +25,81 @@ def unsupported(model: BaseModel, neutral: dict[str, tuple]) -> None:
         value = getattr(model, name)
         if value not in allowed:
             raise ValueError(f"{name}={value!r} is not supported by kvserve (accepted: {', '.join(map(repr, allowed))})")
+
+
+class JSONSchemaFormat(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict | bool = Field(default=True, alias="schema")  # OpenAI's field name; absent: any JSON
+    strict: StrictBool | None = None  # the output always follows the schema: a grammar enforces it
+    description: str | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format needs json_schema exactly when its type is "json_schema"')
+        return self
+
+    def grammar(self) -> str | None:
+        if self.type == "json_object":
+            return json_object_grammar()
+        if self.type == "json_schema":
+            return json_schema_grammar(self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, choices or a Lark grammar."""
+
+    json_: dict | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if sum(v is not None for v in (self.json_, self.regex, self.choice, self.grammar)) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice or grammar")
+        return self
+
+    def grammar_text(self) -> str:
+        if self.json_ is not None:
+            return json_schema_grammar(parsed_schema(self.json_))
+        if self.regex is not None:
+            return regex_grammar(self.regex)
+        if self.choice is not None:
+            return choice_grammar(self.choice)
+        return lark_grammar(self.grammar)
+
+
+def parsed_schema(value: dict | bool | str) -> dict | bool:
+    """A JSON schema given as JSON or as a string holding JSON (clients send both)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise InvalidParameter(f"the JSON schema is not valid JSON: {e}") from None
+
+
+class TGIGrammar(Strict):
+    """TGI's parameters.grammar: {"type": "json", "value": schema} or {"type": "regex", "value": pattern}."""
+
+    type: Literal["json", "regex"]
+    value: dict | bool | str
+
+    def grammar_text(self) -> str:
+        if self.type == "json":
+            return json_schema_grammar(parsed_schema(self.value))
+        if not isinstance(self.value, str):
+            raise InvalidParameter("a regex grammar's value must be a string")
+        return regex_grammar(self.value)
 
 
 class TGIParameters(Strict):
@@ -44,18 +121,17 @@ class TGIParameters(Strict):
     parse_special: StrictBool = False  # special-token strings in `inputs` as special tokens; otherwise they are text
     best_of: int | None = Field(default=None, ge=1)  # sample this many, return the likeliest (not streamed)
     # TGI fields kvserve does not implement: their neutral values only.
+    grammar: TGIGrammar | None = None  # the output follows a JSON schema or a regex
+    # TGI fields kvserve does not implement: their neutral values only.
     watermark: StrictBool = False
     typical_p: float | None = None
-    grammar: Any = None
     adapter_id: str | None = None
 
     @model_validator(mode="after")
     def _neutral(self):
         if (self.best_of or 1) > 1 and not self.samples:
             raise ValueError("best_of > 1 needs sampling (do_sample: true): greedy sequences would all be the same")
-        unsupported(self, {"watermark": (False,), "typical_p": (None, 1.0),
-                           "grammar": (None,),
-                           "adapter_id": (None, "")})
+        unsupported(self, {"watermark": (False,), "typical_p": (None, 1.0), "adapter_id": (None, "")})
         return self
 
     @property
@@ -78,6 +154,7 @@ class TGIParameters(Strict):
             stop=tuple(self.stop),
             top_logprobs=self.top_n_tokens or 0,
             prompt_logprobs=self.decoder_input_details,
+            grammar=self.grammar.grammar_text() if self.grammar else None,
         )
 
 
@@ -122,6 +199,13 @@ class OpenAISampling(BaseModel):
     # Special-token strings in the prompt or message text as special tokens; by default they are text, so a
     # user cannot type a chat turn or an end of text (the chat template's own markers are always special).
     parse_special: StrictBool = False
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _supported(self):
@@ -157,7 +241,22 @@ class OpenAISampling(BaseModel):
             ignore_eos=self.ignore_eos,
             top_logprobs=self.top_alternatives,
             prompt_logprobs=self.scores_prompt,
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> str | None:
+        """The grammar text of whichever structured-output field the request sets (one at most), or None."""
+        legacy = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        legacy = {k: v for k, v in legacy.items() if v is not None}
+        if len(legacy) > 1:
+            raise InvalidParameter("set exactly one of guided_json, guided_regex, guided_choice and guided_grammar")
+        formats = [f for f in (self.response_format and self.response_format.grammar(),
+                               self.structured_outputs and self.structured_outputs.grammar_text(),
+                               legacy and StructuredOutputs.model_validate(legacy).grammar_text()) if f]
+        if len(formats) > 1:
+            raise InvalidParameter("set one of response_format, structured_outputs and guided_*, not several")
+        return formats[0] if formats else None
 
 
 class CompletionRequest(OpenAISampling):
@@ -225,7 +324,6 @@ class ChatCompletionRequest(OpenAISampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
     parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
@@ -234,8 +332,6 @@ class ChatCompletionRequest(OpenAISampling):
                            "parallel_tool_calls": (None, True, False)})
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format other than {'type': 'text'} is not supported by kvserve")
         return self
 
     @property

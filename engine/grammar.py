@@ -1,0 +1,103 @@
+"""Constrained decoding: a grammar forbids tokens, per row, before a token is drawn.
+
+llguidance (the library vLLM and llama.cpp use) compiles a JSON schema, a regex or a Lark grammar against the
+model's own tokenizer, and for each step of a sequence gives the set of tokens that keep its text inside the
+grammar, one bit per token; a matcher then follows the tokens drawn. It runs on a plain logits tensor, needs
+nothing but its wheel, and computes a mask in tens of microseconds.
+
+A request carries its grammar as llguidance's grammar text (`SamplingParams.grammar`, made by the functions
+below). `Grammars.compile` builds a matcher once per grammar text and keeps it; each request then follows a copy.
+The server compiles on a worker thread when it admits a request, so the engine thread only copies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+from engine.sampling import InvalidParameter
+
+COMPILED_KEPT = 256  # grammars kept compiled, least recently used first out
+# JSON without free whitespace between tokens: with it, a weak model under greedy decoding may emit spaces
+# forever and never close the object.
+COMPACT_JSON = {"whitespace_flexible": False}
+
+
+def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
+    """Grammar text for JSON values that match `schema` (True or {}: any JSON value), compact."""
+    try:
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT_JSON)
+    except ValueError as e:
+        raise InvalidParameter(f"invalid JSON schema: {e}") from None
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (OpenAI's response_format "json_object")."""
+    return json_schema_grammar({"type": "object"})
+
+
+def regex_grammar(pattern: str) -> str:
+    return LLMatcher.grammar_from_regex(pattern)
+
+
+def lark_grammar(text: str) -> str:
+    """A Lark grammar (llguidance's variant), as given."""
+    return LLMatcher.grammar_from_lark(text)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """Exactly one of `choices`."""
+    if not choices:
+        raise InvalidParameter("choices must hold at least one string")
+    return regex_grammar("|".join(f"({re.escape(choice)})" for choice in choices))
+
+
+class Grammars:
+    """Compiles grammars for one tokenizer and keeps the compiled matchers, by grammar text; thread-safe."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        # The model's vocabulary may be wider than the tokenizer's (padding rows): those tokens are never allowed.
+        self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.vocab_size = vocab_size
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, grammar: str) -> LLMatcher:
+        """The compiled matcher of `grammar`, at its start (not to be advanced: copy it); InvalidParameter if invalid."""
+        with self._lock:
+            if grammar in self._compiled:
+                self._compiled.move_to_end(grammar)
+                return self._compiled[grammar]
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)  # seconds at worst; llguidance drops the GIL
+        if matcher.is_error():
+            raise InvalidParameter(f"invalid grammar: {matcher.get_error()}")
+        with self._lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def start(self, grammar: str) -> LLMatcher:
+        """A matcher of its own for one sequence, at the grammar's start."""
+        return self.compile(grammar).deep_copy()
+
+
+def allowed_tokens(matchers: list[LLMatcher | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """(b, V) bool: the tokens each row's grammar allows next (every token for a row without one); None if no row has one."""
+    if not any(matchers):
+        return None
+    masks = {row: torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)  # (words,), maybe one spare
+             for row, m in enumerate(matchers) if m is not None}
+    words = max((vocab_size + 31) // 32, *(len(mask) for mask in masks.values()))
+    bits = torch.full((len(matchers), words), -1, dtype=torch.int32)  # (b, words): all allowed
+    for row, mask in masks.items():
+        bits[row, :len(mask)] = mask
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = (bits[:, :, None] >> shifts) & 1  # (b, words, 32): bit j of word w is token 32·w + j
+    return allowed.reshape(len(matchers), words * 32)[:, :vocab_size].bool().to(device)

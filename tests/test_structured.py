@@ -1,0 +1,128 @@
+"""Structured output: a grammar, not the model, guarantees the output's shape (tiny random models, real server)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.grammar import choice_grammar, json_schema_grammar, regex_grammar
+from tests.server_harness import serve
+
+NESTED = {  # objects, arrays with bounds, enums, integers with ranges, required fields
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1,
+                   "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "scores", "address", "active"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return Engine.from_pretrained(model_dir("long"), EngineConfig(device="cpu", dtype="float32", max_batch_size=4,
+                                                                  max_seq_len=512, seed=0))
+
+
+def test_twenty_sampled_outputs_all_follow_a_nested_schema(engine):
+    grammar = json_schema_grammar(NESTED)
+    sampled = [SamplingParams(max_new_tokens=400, temperature=1.0, seed=seed, grammar=grammar) for seed in range(20)]
+    for completion in engine.generate(["Describe a user:"] * 20, sampled):
+        assert completion.finish_reason == "eos", completion.text  # the object closed, and nothing followed
+        jsonschema.validate(json.loads(completion.text), NESTED)
+        assert not re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', '""', completion.text))  # compact: no space between tokens
+
+
+def test_regex_and_choice_outputs_match(engine):
+    pattern = r"[A-Z][a-z]{2,5}-[0-9]{3}"
+    sampled = [SamplingParams(max_new_tokens=40, temperature=1.0, seed=seed, grammar=regex_grammar(pattern))
+               for seed in range(4)]
+    sampled += [SamplingParams(max_new_tokens=40, temperature=1.0, seed=seed, grammar=choice_grammar(["yes", "no", "maybe so"]))
+                for seed in range(4)]
+    completions = engine.generate(["Answer:"] * 8, sampled)
+    assert all(re.fullmatch(pattern, c.text) for c in completions[:4])
+    assert all(c.text in ("yes", "no", "maybe so") for c in completions[4:])
+
+
+def test_free_requests_beside_constrained_ones_get_their_own_tokens(engine):
+    free = [SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
+            SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)]
+    alone = [c.output_ids for c in engine.generate(["The quick brown fox", "Once upon a time"], free)]
+    constrained = SamplingParams(max_new_tokens=60, temperature=1.0, seed=1, grammar=json_schema_grammar(NESTED))
+    mixed = engine.generate(["The quick brown fox", "x", "Once upon a time", "y"], [free[0], constrained, free[1], constrained])
+    assert [mixed[0].output_ids, mixed[2].output_ids] == alone
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with serve(model_dir("long")) as running:
+        yield running
+
+
+def test_openai_parse_returns_a_model_instance(server):
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: Literal["Paris", "Rome", "Oslo"]
+        celsius: int = Field(ge=-40, le=50)
+        sunny: bool
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    for seed in range(3):
+        reply = client.chat.completions.parse(model="kvserve", messages=[{"role": "user", "content": "Weather?"}],
+                                              response_format=Weather, max_tokens=60, temperature=1.0, seed=seed)
+        assert isinstance(reply.choices[0].message.parsed, Weather) and reply.choices[0].finish_reason == "stop"
+
+
+def test_every_structured_field_of_every_route(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        def text(path: str, body: dict) -> str:
+            response = client.post(path, json=body)
+            assert response.status_code == 200, response.text
+            result = response.json()
+            return result["generated_text"] if "generated_text" in result else result["choices"][0]["text"]
+
+        tgi = {"type": "json", "value": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                          "maximum": 9}}, "required": ["n"], "additionalProperties": False}}
+        assert json.loads(text("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 30, "grammar": tgi}})) in (
+            [{"n": n} for n in range(10)])
+        assert re.fullmatch("[ab]{3}", text("/generate", {"inputs": "x", "parameters": {
+            "max_new_tokens": 30, "grammar": {"type": "regex", "value": "[ab]{3}"}}}))
+        completion = {"prompt": "x", "max_tokens": 30, "temperature": 1.0, "seed": 3}
+        assert text("/v1/completions", completion | {"guided_choice": ["left", "right"]}) in ("left", "right")
+        assert re.fullmatch("[0-9]{2}", text("/v1/completions", completion | {"guided_regex": "[0-9]{2}"}))
+        assert text("/v1/completions", completion | {"response_format": {"type": "json_object"}}).startswith("{")
+        assert text("/v1/completions", completion | {"structured_outputs": {"choice": ["up", "down"]}}) in ("up", "down")
+        assert json.loads(text("/v1/completions", completion | {"guided_json": json.dumps({"enum": [1, 2]})})) in (1, 2)
+
+
+@pytest.mark.parametrize("path,body,status,says", [
+    ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "("}}}, 422, "unclosed group"),
+    ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": "{not json"}}}, 422, "not valid JSON"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "objekt"}}}}, 400, "objekt"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "json_schema"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400, "exactly one"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_regex": "[0-9]",
+                              "response_format": {"type": "json_object"}}, 400, "not several"),
+])
+def test_a_bad_constraint_is_refused_with_what_is_wrong(server, path, body, status, says):
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code == status and says in response.text, response.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
