@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -91,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--dtype", default="auto")
     soak.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
     soak.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+
+    structured = command("structured", help="a JSON-schema grammar's cost per token, its compile time, and how many "
+                                             "sampled outputs follow the schema")
+    structured.add_argument("--model", default=None, help="checkpoint (default: the default model)")
+    structured.add_argument("--dtype", default="auto")
+    structured.add_argument("--compile", default="off", choices=["auto", "on", "off"])
+    structured.add_argument("--max-tokens", type=int, default=200)
+    structured.add_argument("--repeats", type=int, default=3)
+    structured.add_argument("--samples", type=int, default=100, help="sampled outputs checked against the schema")
 
     storm = command("storm", help="storms of dropped streams (leaked slots) and more requests at once than the queue "
                                    "takes (only 200/429, RSS flat)")

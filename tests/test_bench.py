@@ -102,3 +102,12 @@ def test_storm_frees_every_dropped_stream_and_overload_answers_200_or_429(tmp_pa
     # 40 at once, twice, to 4 slots and a queue of 8: some are refused, each with Retry-After, and nothing else.
     assert overload["only_200_and_429"] and overload["statuses"]["429"] > 0 and overload["429_without_retry_after"] == 0
     assert overload["statuses"]["200"] + overload["statuses"]["429"] == 80 and overload["health_after"] == 200
+
+
+def test_structured_bench_checks_every_sample_against_the_schema(tmp_path, model_dir):
+    bench(tmp_path, "structured", "--model", str(model_dir("long")), "--dtype", "float32", "--max-tokens", "1200")
+    payload = json.loads((tmp_path / "structured.json").read_text())
+    assert payload["valid"] == payload["samples"] == 8  # the grammar, not the random model, makes them valid
+    assert set(payload["per_token"]) == {"1", "4"}
+    assert all(cost["free_ms_per_token"] > 0 and cost["constrained_ms_per_token"] > 0 for cost in payload["per_token"].values())
+    assert payload["grammar_compile_s"] > 0 and payload["cache_hit_us_median"] >= 0
