@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -132,136 +132,197 @@ def chat_logprobs(events: list[TokenEvent], tokenizer: Tokenizer) -> dict:
                         for e in events]}
 
 
-async def choice_chunks(gen: generation.Generation, body: OpenAISampling, make_chunk,
-                        lead: Callable[[TokenEvent], dict] | None) -> AsyncIterator[dict]:
-    """The chunks of one choice; `lead(first_event)`, when given, is one chunk sent before the generated text."""
-    trimmer = StopTrimmer(body.stops)
-    pending: list[TokenEvent] = []  # tokens whose text is held back still owe their logprobs to the next chunk
-    async for event in gen:
-        if lead is not None and event.index == 0:
-            yield lead(event)
-        pending.append(event)
-        piece = trimmer.push(event)
-        finish = OPENAI_FINISH[event.finish_reason] if event.finish_reason else None
-        if piece or finish:
-            yield make_chunk(piece, finish, pending)
-            pending = []
+class Reply:
+    """Everything one OpenAI response says, assembled in one place: its choices, whole or as stream chunks, and
+    the response around them. A subclass per route says what a choice holds; state that builds up over a
+    choice's chunks (the text offset of completions logprobs, chat's first delta) lives in its ChoiceText."""
+
+    object: str
+    chunk_object: str
+    prefix: str
+
+    def __init__(self, body: OpenAISampling, request: Request, tokenizer: Tokenizer):
+        self.body, self.tokenizer = body, tokenizer
+        self.id, self.created, self.model = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time()), model_name(request)
+
+    def envelope(self, object_name: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
+
+    def chunk(self, choice: "ChoiceText", text: str | None, finish: str | None, events: list[TokenEvent]) -> dict:
+        """One stream chunk of a choice: `text` new since its last chunk, the tokens that made it, maybe its end."""
+        return self.envelope(self.chunk_object, [choice.delta(text, finish, events)])
+
+    def whole(self, gens: list[generation.Generation]) -> dict:
+        """The response to a request that did not stream: every choice complete, and the usage."""
+        choices = []
+        for index, gen in enumerate(gens):
+            text = "".join(StopTrimmer(self.body.stops).push(e) for e in gen.events)
+            choices.append(self.choice(index).complete(text, OPENAI_FINISH[gen.events[-1].finish_reason], gen.events))
+        return self.envelope(self.object, choices) | {"usage": usage(gens)}
+
+    def choice(self, index: int) -> "ChoiceText":
+        raise NotImplementedError
+
+    def lead(self, choice: "ChoiceText", first: TokenEvent) -> dict | None:
+        """A chunk sent before a choice's generated text, or None."""
+        return None
+
+    async def stream(self, gens: list[generation.Generation]) -> AsyncIterator[bytes]:
+        """SSE chunks of every choice as they come, the usage when asked, then [DONE]; an error as one last event."""
+        try:
+            async for chunk in merged([self._choice_chunks(index, gen) for index, gen in enumerate(gens)]):
+                yield sse.event(chunk)
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield sse.event(self.envelope(self.chunk_object, []) | {"usage": usage(gens)})
+        except APIError as e:
+            yield sse.event(error_body("/v1", e.status, e.message, e.error_type))
+        yield sse.event("[DONE]")
+
+    async def _choice_chunks(self, index: int, gen: generation.Generation) -> AsyncIterator[dict]:
+        choice, trimmer = self.choice(index), StopTrimmer(self.body.stops)
+        pending: list[TokenEvent] = []  # tokens whose text is held back still owe their logprobs to the next chunk
+        async for event in gen:
+            if event.index == 0 and (lead := self.lead(choice, event)) is not None:
+                yield lead
+            pending.append(event)
+            piece = trimmer.push(event)
+            finish = OPENAI_FINISH[event.finish_reason] if event.finish_reason else None
+            if piece or finish:
+                yield self.chunk(choice, piece, finish, pending)
+                pending = []
 
 
-async def openai_stream(gens: list[generation.Generation], body: OpenAISampling, chunk_maker, include_usage: bool,
-                        lead_maker: Callable[[int], Callable[[TokenEvent], dict]] | None = None):
-    """SSE chunks of every choice as they come; chunk_maker(i) and lead_maker(i) build choice i's chunks."""
-    try:
-        chunks = [choice_chunks(gen, body, chunk_maker(i), lead_maker and lead_maker(i)) for i, gen in enumerate(gens)]
-        async for chunk in merged(chunks):
-            yield sse.event(chunk)
-        if include_usage:
-            yield sse.event(chunk_maker(0)(None, None, []) | {"choices": [], "usage": usage(gens)})
-    except APIError as e:
-        yield sse.event(error_body("/v1", e.status, e.message, e.error_type))
-    yield sse.event("[DONE]")
+class ChoiceText:
+    """One choice of a reply, built chunk by chunk (delta) or at once (complete)."""
+
+    def __init__(self, reply: Reply, index: int):
+        self.reply, self.index = reply, index
+
+    def delta(self, text: str | None, finish: str | None, events: list[TokenEvent]) -> dict:
+        raise NotImplementedError
+
+    def complete(self, text: str, finish: str, events: list[TokenEvent]) -> dict:
+        raise NotImplementedError
+
+
+class CompletionReply(Reply):
+    object, chunk_object, prefix = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, body: CompletionRequest, request: Request, tokenizer: Tokenizer, prompt_ids: list[int],
+                 prompt_text: str):
+        super().__init__(body, request, tokenizer)
+        self.prompt_ids, self.prompt_text = prompt_ids, prompt_text
+
+    def choice(self, index: int) -> "CompletionText":
+        return CompletionText(self, index)
+
+    def lead(self, choice: "CompletionText", first: TokenEvent) -> dict | None:
+        return self.envelope(self.chunk_object, [choice.echo(first)]) if self.body.echo else None
+
+
+class CompletionText(ChoiceText):
+    reply: CompletionReply
+
+    def __init__(self, reply: CompletionReply, index: int):
+        super().__init__(reply, index)
+        self.offset = len(reply.prompt_text) if reply.body.echo else 0  # where the next token's text starts
+
+    def delta(self, text, finish, events, logprobs=None) -> dict:
+        body = self.reply.body
+        if logprobs is None and body.logprobs is not None and events:
+            entries = generated_entries(events, self.reply.tokenizer)
+            logprobs = completion_logprobs(entries, self.offset, body.top_alternatives)
+            self.offset += sum(len(e.text) for e in events)
+        return {"index": self.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+    def echo(self, first: TokenEvent) -> dict:
+        """The prompt as the choice's first piece of text, with its tokens' logprobs when asked."""
+        reply = self.reply
+        logprobs = None
+        if reply.body.logprobs is not None:
+            entries = prompt_entries(reply.prompt_ids, first, reply.tokenizer)
+            logprobs = completion_logprobs(entries, 0, reply.body.top_alternatives)
+        return self.delta(reply.prompt_text, None, [], logprobs)
+
+    def complete(self, text, finish, events) -> dict:
+        lead = self.echo(events[0]) if self.reply.body.echo else None
+        choice = self.delta(text, finish, events)
+        if lead is not None:  # the prompt's piece and the generated one, joined
+            choice["text"] = lead["text"] + choice["text"]
+            if lead["logprobs"] is not None:
+                choice["logprobs"] = joined(lead["logprobs"], choice["logprobs"])
+        return choice
+
+
+class ChatReply(Reply):
+    object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def choice(self, index: int) -> "ChatText":
+        return ChatText(self, index)
+
+
+class ChatText(ChoiceText):
+    def __init__(self, reply: ChatReply, index: int):
+        super().__init__(reply, index)
+        self.started = False  # the first delta carries the role
+
+    def logprobs(self, events: list[TokenEvent]) -> dict | None:
+        return chat_logprobs(events, self.reply.tokenizer) if self.reply.body.logprobs and events else None
+
+    def delta(self, text, finish, events) -> dict:
+        delta = {} if text is None else {"content": text}
+        if not self.started and text is not None:
+            delta, self.started = {"role": "assistant", **delta}, True
+        return {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(events)}
+
+    def complete(self, text, finish, events) -> dict:
+        return {"index": self.index, "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(events), "finish_reason": finish}
 
 
 def sse_response(body) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+async def answer(reply: Reply, gens: list[generation.Generation], request: Request):
+    """Stream the reply, or wait for every choice and send it whole."""
+    if reply.body.stream:
+        return sse_response(reply.stream(gens))
+    await generation.complete_all(gens, request)
+    return JSONResponse(reply.whole(gens))
+
+
+async def models(request: Request):
+    runner = request.app.state.runner
+    generation.ensure_ready(runner)
+    return {"object": "list", "data": [{
+        "id": model_name(request), "object": "model", "created": request.app.state.started, "owned_by": "kvserve",
+        "max_model_len": runner.engine.max_seq_len}]}
+
+
+async def completions(body: CompletionRequest, request: Request):
+    runner = request.app.state.runner
+    if isinstance(body.prompt, str):
+        prompt_ids = await generation.tokenize_prompt(runner, body.prompt, body.parse_special)
+        prompt_text = body.prompt
+    else:  # token ids, as vLLM takes them: echoed as their text
+        prompt_ids = generation.checked_token_ids(runner, body.prompt)
+        prompt_text = runner.engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    gens = await admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
+    return await answer(CompletionReply(body, request, runner.engine.tokenizer, prompt_ids, prompt_text), gens, request)
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    runner = request.app.state.runner
+    prompt_ids = await generation.tokenize_chat(runner, body.rendered_messages(), body.parse_special)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    gens = await admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
+    return await answer(ChatReply(body, request, runner.engine.tokenizer), gens, request)
+
+
 def create_router() -> APIRouter:
     router = APIRouter(prefix="/v1")
-
-    @router.get("/models")
-    async def models(request: Request):
-        runner = request.app.state.runner
-        generation.ensure_ready(runner)
-        return {"object": "list", "data": [{
-            "id": model_name(request), "object": "model", "created": request.app.state.started, "owned_by": "kvserve",
-            "max_model_len": runner.engine.max_seq_len}]}
-
-    @router.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        runner = request.app.state.runner
-        if isinstance(body.prompt, str):
-            prompt_ids = await generation.tokenize_prompt(runner, body.prompt, body.parse_special)
-            prompt_text = body.prompt
-        else:  # token ids, as vLLM takes them: echoed as their text
-            prompt_ids = generation.checked_token_ids(runner, body.prompt)
-            prompt_text = runner.engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        gens = await admit(body, request, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS)
-        ident, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
-        want_logprobs, tokenizer = body.logprobs is not None, runner.engine.tokenizer
-
-        def chunk_maker(index: int):
-            offset = len(prompt_text) if body.echo else 0  # where the next token's text starts in the returned text
-
-            def chunk(text, finish, events, logprobs=None):
-                nonlocal offset
-                if logprobs is None and want_logprobs and events:
-                    logprobs = completion_logprobs(generated_entries(events, tokenizer), offset, body.top_alternatives)
-                    offset += sum(len(e.text) for e in events)
-                choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
-                return {"id": ident, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
-
-            return chunk
-
-        def echo_maker(index: int):
-            def echoed(first: TokenEvent) -> dict:
-                """The prompt as the first chunk of the answer, with its tokens' logprobs when asked."""
-                logprobs = None
-                if want_logprobs:
-                    logprobs = completion_logprobs(prompt_entries(prompt_ids, first, tokenizer), 0, body.top_alternatives)
-                return chunk_maker(index)(prompt_text, None, [], logprobs)
-
-            return echoed
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if body.stream:
-            return sse_response(openai_stream(gens, body, chunk_maker, include_usage, echo_maker if body.echo else None))
-        await generation.complete_all(gens, request)
-        choices = []
-        for index, gen in enumerate(gens):
-            text = "".join(StopTrimmer(body.stops).push(e) for e in gen.events)
-            choice = chunk_maker(index)(text, OPENAI_FINISH[gen.events[-1].finish_reason], gen.events)["choices"][0]
-            if body.echo:  # the prompt's chunk and the generated one, joined
-                lead = echo_maker(index)(gen.events[0])["choices"][0]
-                choice["text"] = lead["text"] + choice["text"]
-                if want_logprobs:
-                    choice["logprobs"] = joined(lead["logprobs"], choice["logprobs"])
-            choices.append(choice)
-        return JSONResponse({"id": ident, "object": "text_completion", "created": created, "model": name,
-                             "choices": choices, "usage": usage(gens)})
-
-    @router.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        runner = request.app.state.runner
-        prompt_ids = await generation.tokenize_chat(runner, body.rendered_messages(), body.parse_special)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        gens = await admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
-        ident, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_name(request)
-
-        def chunk_maker(index: int):
-            first = True
-
-            def chunk(text, finish, events):
-                nonlocal first
-                delta = {} if text is None else {"content": text}
-                if first and text is not None:
-                    delta, first = {"role": "assistant", **delta}, False
-                logprobs = chat_logprobs(events, runner.engine.tokenizer) if body.logprobs and events else None
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-                return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": name,
-                        "choices": [choice]}
-
-            return chunk
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if body.stream:
-            return sse_response(openai_stream(gens, body, chunk_maker, include_usage))
-        await generation.complete_all(gens, request)
-        choices = [{"index": index, "message": {"role": "assistant",
-                                                "content": "".join(StopTrimmer(body.stops).push(e) for e in gen.events)},
-                    "logprobs": chat_logprobs(gen.events, runner.engine.tokenizer) if body.logprobs else None,
-                    "finish_reason": OPENAI_FINISH[gen.events[-1].finish_reason]} for index, gen in enumerate(gens)]
-        return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": name,
-                             "choices": choices, "usage": usage(gens)})
-
+    router.add_api_route("/models", models, methods=["GET"])
+    router.add_api_route("/completions", completions, methods=["POST"])
+    router.add_api_route("/chat/completions", chat_completions, methods=["POST"])
     return router
