@@ -6,6 +6,7 @@ import json
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -20,6 +21,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = _tojson
         self.template = env.from_string(source)
+        self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.bos_token = bos_token
         self.eos_token = eos_token
 

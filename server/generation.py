@@ -90,12 +90,13 @@ async def tokenize_prompt(runner: EngineRunner, text: str, parse_special: bool) 
     return nonempty(ids)
 
 
-async def tokenize_chat(runner: EngineRunner, messages: list[dict], parse_special: bool) -> list[int]:
+async def tokenize_chat(runner: EngineRunner, messages: list[dict], parse_special: bool,
+                        tools: list[dict] | None = None) -> list[int]:
     """The chat template's rendering of `messages`, tokenized on a worker thread: the template's markers special,
     the messages' text as text unless `parse_special` (see Tokenizer.encode_chat)."""
     check_length(runner, sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
     try:  # a template runs Python over every message: off the event loop too
-        ids = await asyncio.to_thread(runner.engine.tokenizer.encode_chat, messages, parse_special)
+        ids = await asyncio.to_thread(runner.engine.tokenizer.encode_chat, messages, parse_special, tools)
     except Exception as e:  # a template that raises on these messages is the client's to fix
         raise APIError(422, f"the chat template could not render these messages: {e}", "validation") from None
     return nonempty(ids)

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import FinishReason, TokenEvent, Tokenizer
-from server import generation, sse
+from server import generation, sse, tool_calls
 from server.errors import APIError, error_body
 from server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
 
@@ -148,9 +148,11 @@ class Reply:
     def envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
-    def chunk(self, choice: "ChoiceText", text: str | None, finish: str | None, events: list[TokenEvent]) -> dict:
-        """One stream chunk of a choice: `text` new since its last chunk, the tokens that made it, maybe its end."""
-        return self.envelope(self.chunk_object, [choice.delta(text, finish, events)])
+    def chunk(self, choice: "ChoiceText", text: str | None, finish: str | None, events: list[TokenEvent]) -> dict | None:
+        """One stream chunk of a choice: `text` new since its last chunk, the tokens that made it, maybe its end;
+        None while the choice holds its text back."""
+        delta = choice.delta(text, finish, events)
+        return None if delta is None else self.envelope(self.chunk_object, [delta])
 
     def whole(self, gens: list[generation.Generation]) -> dict:
         """The response to a request that did not stream: every choice complete, and the usage."""
@@ -187,8 +189,8 @@ class Reply:
             pending.append(event)
             piece = trimmer.push(event)
             finish = OPENAI_FINISH[event.finish_reason] if event.finish_reason else None
-            if piece or finish:
-                yield self.chunk(choice, piece, finish, pending)
+            if (piece or finish) and (chunk := self.chunk(choice, piece, finish, pending)) is not None:
+                yield chunk
                 pending = []
 
 
@@ -198,7 +200,7 @@ class ChoiceText:
     def __init__(self, reply: Reply, index: int):
         self.reply, self.index = reply, index
 
-    def delta(self, text: str | None, finish: str | None, events: list[TokenEvent]) -> dict:
+    def delta(self, text: str | None, finish: str | None, events: list[TokenEvent]) -> dict | None:
         raise NotImplementedError
 
     def complete(self, text: str, finish: str, events: list[TokenEvent]) -> dict:
@@ -262,22 +264,50 @@ class ChatReply(Reply):
 
 
 class ChatText(ChoiceText):
+    """A chat choice. When the request offers tools, its text is held back to the end and read for tool calls:
+    the calls go out as `tool_calls` (one delta when streaming), the rest as content, so a stream concatenates to
+    the reply a request without `stream` gets."""
+
+    reply: ChatReply
+
     def __init__(self, reply: ChatReply, index: int):
         super().__init__(reply, index)
         self.started = False  # the first delta carries the role
+        self.held, self.held_events = "", []  # the text and tokens held back, with tools
 
     def logprobs(self, events: list[TokenEvent]) -> dict | None:
         return chat_logprobs(events, self.reply.tokenizer) if self.reply.body.logprobs and events else None
 
-    def delta(self, text, finish, events) -> dict:
-        delta = {} if text is None else {"content": text}
-        if not self.started and text is not None:
+    def delta(self, text, finish, events) -> dict | None:
+        if self.reply.body.calls_tools and text is not None:
+            self.held, self.held_events = self.held + text, self.held_events + events
+            if finish is None:
+                return None
+            message = self.message(self.held, finish)
+            text, events, finish = message.get("content"), self.held_events, message["finish"]
+            delta = {"content": text} if text is not None else {}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(message["tool_calls"])]
+        else:
+            delta = {} if text is None else {"content": text}
+        if not self.started and (text is not None or "tool_calls" in delta):
             delta, self.started = {"role": "assistant", **delta}, True
         return {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(events)}
 
+    def message(self, text: str, finish: str) -> dict:
+        """The assistant message of a whole reply (with "finish", its finish reason): tool calls read from it."""
+        if not self.reply.body.calls_tools:
+            return {"role": "assistant", "content": text, "finish": finish}
+        content, calls = tool_calls.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": content, "finish": finish}
+        return {"role": "assistant", "content": content, "tool_calls": calls,
+                "finish": "tool_calls" if finish == "stop" else finish}
+
     def complete(self, text, finish, events) -> dict:
-        return {"index": self.index, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(events), "finish_reason": finish}
+        message = self.message(text, finish)
+        finish = message.pop("finish")
+        return {"index": self.index, "message": message, "logprobs": self.logprobs(events), "finish_reason": finish}
 
 
 def sse_response(body) -> StreamingResponse:
@@ -314,7 +344,9 @@ async def completions(body: CompletionRequest, request: Request):
 
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     runner = request.app.state.runner
-    prompt_ids = await generation.tokenize_chat(runner, body.rendered_messages(), body.parse_special)
+    generation.ensure_ready(runner)
+    messages, tools = body.rendered_messages(runner.engine.tokenizer.template_takes_tools)
+    prompt_ids = await generation.tokenize_chat(runner, messages, body.parse_special, tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     gens = await admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
     return await answer(ChatReply(body, request, runner.engine.tokenizer), gens, request)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from engine import SamplingParams
 from engine.grammar import choice_grammar, json_object_grammar, json_schema_grammar, lark_grammar, regex_grammar
 from engine.sampling import MAX_TOP_LOGPROBS, InvalidParameter
+from server import tool_calls
 
 
 class Strict(BaseModel):
@@ -304,11 +305,26 @@ class ContentPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)  # other fields a client sends with a message (tool_calls) are ignored
+    model_config = ConfigDict(strict=True)  # other fields a client sends with a message are ignored
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @property
     def text(self) -> str:
@@ -317,26 +333,96 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema for the arguments object
+    strict: StrictBool | None = None  # the arguments always follow it when the call is enforced
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(Strict):
+    name: str
+
+
+class ToolChoice(Strict):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
-    def _neutral_fields(self):
-        unsupported(self, {"tools": (None, []), "tool_choice": (None, "none"),
-                           "parallel_tool_calls": (None, True, False)})
+    def _consistent(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("two tools have the same name")
+        if isinstance(self.tool_choice, ToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not among "
+                             f"the tools ({', '.join(map(repr, names)) or 'none given'})")
+        if self.tool_choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
         return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply is read for tool calls: tools offered, and tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, ToolChoice) else None
+
+    def grammar(self) -> str | None:
+        """With tool_choice "required" or a named function, a grammar that makes the reply calls only."""
+        constraint = super().grammar()
+        if self.tool_choice != "required" and self.forced_function is None:
+            return constraint
+        if constraint is not None:
+            raise InvalidParameter("a tool_choice that forces a call cannot be combined with a response format")
+        return tool_calls.grammar([t.model_dump(exclude_none=True) for t in self.tools], self.forced_function,
+                                  parallel=self.parallel_tool_calls is not False and self.forced_function is None)
 
     @property
     def top_alternatives(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
 
-    def rendered_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages]
+    def rendered_messages(self, template_takes_tools: bool) -> tuple[list[dict], list[dict] | None]:
+        """(the messages as the chat template reads them, the tools for its `tools` variable or None).
+
+        A template without `tools` gets them as a system message (after any of the client's), and earlier calls
+        as the text the model writes for them."""
+        messages = []
+        for m in self.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+            if m.tool_calls:
+                calls = [c.model_dump() for c in m.tool_calls]
+                if template_takes_tools:
+                    message["tool_calls"] = [c | {"function": c["function"] | {"arguments": tool_calls.arguments(c)}}
+                                             for c in calls]
+                else:
+                    message["content"] = "\n".join(filter(None, [m.text, tool_calls.as_text(calls)]))
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        if not self.calls_tools:
+            return messages, None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if template_takes_tools:
+            return messages, tools
+        system = [m for m in messages if m["role"] == "system"]
+        offer = {"role": "system", "content": "\n\n".join([*(m["content"] for m in system), tool_calls.preamble(tools)])}
+        return [offer, *(m for m in messages if m["role"] != "system")], None

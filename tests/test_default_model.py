@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -174,3 +175,21 @@ def test_offline_without_cache_says_what_to_do(tmp_path):
     assert result.returncode == 1
     assert "python -m weights pull" in result.stderr and "--model" in result.stderr
     assert not any(p.name == DEFAULT_MODEL.name for p in (tmp_path / "models").iterdir())  # nothing half-written
+
+
+def test_a_weather_question_gets_a_call_to_the_weather_tool(model_path):
+    import httpx
+
+    from tests.server_harness import serve
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city name"}},
+                       "required": ["city"]}}}
+    body = {"messages": [{"role": "user", "content": "What is the weather like in Paris today?"}], "tools": [weather],
+            "tool_choice": "required", "temperature": 0, "max_tokens": 60}
+    with serve(model_path, max_batch_size=1, max_seq_len=1024) as server:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
+    (call,) = reply["message"]["tool_calls"]  # SmolLM2 has no tool template: offered in a system message
+    assert reply["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
