@@ -20,6 +20,7 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = _tojson
+        self.source = source
         self.template = env.from_string(source)
         self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.bos_token = bos_token

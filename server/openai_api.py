@@ -298,7 +298,7 @@ class ChatText(ChoiceText):
         """The assistant message of a whole reply (with "finish", its finish reason): tool calls read from it."""
         if not self.reply.body.calls_tools:
             return {"role": "assistant", "content": text, "finish": finish}
-        content, calls = tool_calls.parse(text)
+        content, calls = tool_calls.parse(text, self.reply.body.tool_format)
         if not calls:
             return {"role": "assistant", "content": content, "finish": finish}
         return {"role": "assistant", "content": content, "tool_calls": calls,
@@ -345,7 +345,10 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     runner = request.app.state.runner
     generation.ensure_ready(runner)
-    messages, tools = body.rendered_messages(runner.engine.tokenizer.template_takes_tools)
+    tokenizer, parser = runner.engine.tokenizer, request.app.state.settings.tool_call_parser
+    takes_tools = tokenizer.template_takes_tools
+    body.use_tool_format(tool_calls.chosen(parser, tokenizer.chat_template and tokenizer.chat_template.source, takes_tools))
+    messages, tools = body.rendered_messages(takes_tools)
     prompt_ids = await generation.tokenize_chat(runner, messages, body.parse_special, tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     gens = await admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))

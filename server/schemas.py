@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError, field_validator, model_validator
 
 from engine import SamplingParams
 from engine.grammar import choice_grammar, json_object_grammar, json_schema_grammar, lark_grammar, regex_grammar
@@ -362,6 +362,7 @@ class ChatCompletionRequest(OpenAISampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    _tool_format: str = PrivateAttr(default="hermes")  # how this model writes calls: the server's choice, per model
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -383,6 +384,14 @@ class ChatCompletionRequest(OpenAISampling):
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
+    def tool_format(self) -> str:
+        return self._tool_format
+
+    def use_tool_format(self, form: str) -> None:
+        """The format (tool_calls.PARSERS) the model writes its calls in, known once the model is."""
+        self._tool_format = form
+
+    @property
     def forced_function(self) -> str | None:
         return self.tool_choice.function.name if isinstance(self.tool_choice, ToolChoice) else None
 
@@ -394,7 +403,8 @@ class ChatCompletionRequest(OpenAISampling):
         if constraint is not None:
             raise InvalidParameter("a tool_choice that forces a call cannot be combined with a response format")
         return tool_calls.grammar([t.model_dump(exclude_none=True) for t in self.tools], self.forced_function,
-                                  parallel=self.parallel_tool_calls is not False and self.forced_function is None)
+                                  parallel=self.parallel_tool_calls is not False and self.forced_function is None,
+                                  form=self._tool_format)
 
     @property
     def top_alternatives(self) -> int:

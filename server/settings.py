@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from engine import EngineConfig
+from server.tool_calls import PARSERS
 from weights.default_model import DEFAULT_MODEL
 
 
@@ -30,6 +31,7 @@ class Settings:
     prefix_caching: str = "on"
     request_timeout: float = 0  # seconds; 0: none
     max_queue_wait: float = 0  # seconds; 0: none
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.prefix_caching not in ("on", "off"):
@@ -38,6 +40,8 @@ class Settings:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         if self.request_timeout < 0 or self.max_queue_wait < 0:
             raise ValueError("request_timeout and max_queue_wait are seconds >= 0 (0: no limit)")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 
@@ -83,6 +87,8 @@ FLAGS = [
     ("max_queue_wait", float, "seconds a request may wait for a slot; past it, 503 with Retry-After. 0: no limit"),
     ("prefix_caching", str, "on or off: a finished request's slot keeps its tokens' K/V, and a new request sharing "
                             "their prefix (a chat's earlier turns, a common system prompt) skips computing it"),
+    ("tool_call_parser", str, "auto, hermes or llama3: how the model writes tool calls (<tool_call> blocks, or "
+                              "Llama 3's bare JSON); auto reads it from the chat template"),
 ]
 
 

@@ -1,13 +1,16 @@
-"""Tool calls in the Hermes format Llama-family chat models are trained on (Qwen2, Hermes, SmolLM2):
+"""Tool calls in the two formats Llama-family chat models are trained on:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- Hermes (Qwen2, Hermes, and kvserve's own offer to a template without tools):
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+- Llama 3 (3.1, 3.2): the reply is the call, as JSON, maybe after <|python_tag|>:
+      {"name": "get_weather", "parameters": {"city": "Paris"}}
 
 The tools reach the model through its chat template's `tools` variable, or, for a template without one, as a
-system message that lists them and shows this format. `tool_choice` "required" or a named function is enforced
-by a grammar, so the reply is a call whose arguments follow the function's parameter schema; with "auto" the
-model decides, and the reply is parsed after the fact.
+system message that lists them and shows the Hermes format. `tool_choice` "required" or a named function is
+enforced by a grammar, so the reply is a call whose arguments follow the function's parameter schema; with
+"auto" the model decides, and the reply is parsed after the fact.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import json
 import re
 import uuid
 
+PARSERS = ("auto", "hermes", "llama3")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
 
@@ -45,13 +50,29 @@ def arguments(call: dict) -> dict | str:
     return value if isinstance(value, dict) else call["function"]["arguments"]
 
 
-def grammar(tools: list[dict], name: str | None, parallel: bool) -> str:
-    """A Lark grammar (llguidance's) for a reply of calls only: to the function `name`, or to any of `tools`;
-    one call, or with `parallel` one or more."""
+def chosen(parser: str, template_source: str | None, template_takes_tools: bool) -> str:
+    """The format of a model's calls. A template without tools gets kvserve's offer, which shows Hermes; for one
+    with tools, `parser` unless "auto", and auto reads the template (Llama 3's asks for "parameters" and has
+    <|python_tag|>)."""
+    if not template_takes_tools:
+        return "hermes"
+    if parser != "auto":
+        return parser
+    if template_source and (PYTHON_TAG in template_source or ('"parameters"' in template_source and OPEN not in template_source)):
+        return "llama3"
+    return "hermes"
+
+
+def grammar(tools: list[dict], name: str | None, parallel: bool, form: str = "hermes") -> str:
+    """A Lark grammar (llguidance's) for a reply of calls only, in `form`: to the function `name`, or to any of
+    `tools`; one call, or with `parallel` one or more."""
+    key = "parameters" if form == "llama3" else "arguments"
     offered = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": closed(f)},
-                         "required": ["name", "arguments"], "additionalProperties": False} for f in offered],
+    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, key: closed(f)},
+                         "required": ["name", key], "additionalProperties": False} for f in offered],
               "x-guidance": {"whitespace_flexible": False}}  # compact JSON, as for response formats
+    if form == "llama3":
+        return "\n".join(["start: call (\";\" call)*" if parallel else "start: call", f"call: %json {json.dumps(schema)}"])
     repeat = "+" if parallel else ""
     return "\n".join([f"start: (call){repeat}", f'call: "{OPEN}\\n" body "\\n{CLOSE}"',
                       f"body: %json {json.dumps(schema)}"])
@@ -66,9 +87,11 @@ def closed(function: dict) -> dict:
     return parameters | {"additionalProperties": False}
 
 
-def parse(text: str) -> tuple[str | None, list[dict]]:
-    """(the text outside the calls or None, OpenAI tool_calls) of a reply; a block that is not a JSON call with
-    a name stays in the text."""
+def parse(text: str, form: str = "hermes") -> tuple[str | None, list[dict]]:
+    """(the text outside the calls or None, OpenAI tool_calls) of a reply in `form`; a block that is not a JSON
+    call with a name stays in the text."""
+    if form == "llama3":
+        return parse_llama3(text)
     calls, kept, start = [], [], 0
     for match in CALL.finditer(text):
         try:
@@ -79,8 +102,30 @@ def parse(text: str) -> tuple[str | None, list[dict]]:
             continue
         kept.append(text[start:match.start()])
         start = match.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
-            "name": call["name"], "arguments": json.dumps(call.get("arguments", call.get("parameters", {})),
-                                                          ensure_ascii=False)}})
+        calls.append(openai_call(call))
     rest = ("".join(kept) + text[start:]).strip()
     return (rest or None) if calls else text, calls
+
+
+def parse_llama3(text: str) -> tuple[str | None, list[dict]]:
+    """Llama 3's calls: the whole reply (after an optional <|python_tag|>) is one JSON call, or several joined by
+    ";"; anything else is content."""
+    body, at, calls = text.strip().removeprefix(PYTHON_TAG).strip(), 0, []
+    decoder = json.JSONDecoder()
+    while at < len(body):
+        try:
+            call, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return text, []
+        calls.append(openai_call(call))
+        at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())  # past the separator
+    return (None, calls) if calls else (text, [])
+
+
+def openai_call(call: dict) -> dict:
+    """OpenAI's tool_calls entry for a parsed {"name", "arguments" or "parameters"}."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
+        "name": call["name"], "arguments": json.dumps(call.get("arguments", call.get("parameters", {})),
+                                                      ensure_ascii=False)}}

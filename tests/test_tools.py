@@ -104,3 +104,44 @@ def test_a_conversation_with_calls_and_results_renders_both_ways():
 def test_bad_tools_are_refused_with_what_is_wrong(server, body, says):
     response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": ASK} | body, timeout=60)
     assert response.status_code == 400 and says in response.json()["error"]["message"], response.text
+
+
+LLAMA3_TEMPLATE = (  # enough of Llama 3.1's: tools in the first user turn, calls as bare JSON with "parameters"
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if loop.first and tools %}Answer with a JSON call {\"name\": name, \"parameters\": {...}} to one of: "
+    "{% for t in tools %}{{ t | tojson }}{% endfor %}\n{% endif %}"
+    "{% for c in m.tool_calls or [] %}<|python_tag|>{{ c.function | tojson }}{% endfor %}"
+    "{{ m.content or '' }}<|eot_id|>{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_the_tool_call_format_is_read_from_the_template():
+    assert tool_calls.chosen("auto", LLAMA3_TEMPLATE, template_takes_tools=True) == "llama3"
+    assert tool_calls.chosen("auto", "{{ tools }} <tool_call>", template_takes_tools=True) == "hermes"
+    assert tool_calls.chosen("llama3", LLAMA3_TEMPLATE, template_takes_tools=False) == "hermes"  # kvserve's offer
+    assert tool_calls.chosen("hermes", LLAMA3_TEMPLATE, template_takes_tools=True) == "hermes"
+
+
+def test_llama3_calls_parse_with_or_without_the_python_tag():
+    two = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_weather", "parameters": {}}'
+    content, calls = tool_calls.parse(two, "llama3")
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {"zone": "CET"}), ("get_weather", {})]
+    assert tool_calls.parse("It is sunny.", "llama3") == ("It is sunny.", [])
+    assert tool_calls.parse('{"no": "name"}', "llama3") == ('{"no": "name"}', [])
+
+
+def test_a_llama3_template_gets_llama3_calls(model_dir, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(model_dir("long"), tmp_path / "llama3_tools")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": LLAMA3_TEMPLATE}))
+    body = {"messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 300, "temperature": 1.0, "seed": 2, "logprobs": True}
+    with serve(folder, max_seq_len=2048) as server:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert reply["finish_reason"] == "tool_calls" and reply["message"]["content"] is None
+    written = "".join(token["token"] for token in reply["logprobs"]["content"])  # what the model wrote, tokens joined
+    assert written.startswith('{"name":') and '"parameters":' in written
+    (call,) = reply["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
