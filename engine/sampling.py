@@ -22,6 +22,51 @@ class InvalidParameter(ValueError):
 
 
 @dataclass(frozen=True)
+class Bounds:
+    """A parameter's valid range: the one source of truth for SamplingParams' checks and the HTTP schemas."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return (math.isfinite(value) and (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def field(self) -> dict[str, float]:
+        """As pydantic's Field takes them."""
+        return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le), ("lt", self.lt)) if v is not None}
+
+    def describe(self) -> str:
+        def number(v: float) -> str:
+            return f"{v:g}" if isinstance(v, float) else str(v)
+
+        low = f"[{number(self.ge)}" if self.ge is not None else f"({number(self.gt)}" if self.gt is not None else None
+        high = f"{number(self.le)}]" if self.le is not None else f"{number(self.lt)})" if self.lt is not None else None
+        if low is None or high is None:  # one-sided: said as a comparison
+            return next(f"{op} {number(v)}" for op, v in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                        if v is not None)
+        return f"in {low}, {high}"
+
+
+BOUNDS = {  # every numeric sampling parameter's range (the APIs map their own spellings onto these)
+    "max_new_tokens": Bounds(ge=1),
+    "temperature": Bounds(ge=0),
+    "top_k": Bounds(ge=0),
+    "top_p": Bounds(gt=0, le=1),
+    "min_p": Bounds(ge=0, le=1),
+    "repetition_penalty": Bounds(gt=0),
+    "presence_penalty": Bounds(ge=-2, le=2),
+    "frequency_penalty": Bounds(ge=-2, le=2),
+    "seed": Bounds(ge=0, lt=2**63),
+    "top_logprobs": Bounds(ge=0, le=MAX_TOP_LOGPROBS),
+}
+INTEGERS = ("max_new_tokens", "top_k", "seed", "top_logprobs")
+NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)", "repetition_penalty": " (1 = off)"}
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
     temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
@@ -44,19 +89,15 @@ class SamplingParams:
             if not ok:
                 raise InvalidParameter(message)
 
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        check(math.isfinite(self.temperature) and self.temperature >= 0,
-              f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-              f"seed must be a non-negative integer, got {self.seed!r}")
+        for name, bounds in BOUNDS.items():
+            value = getattr(self, name)
+            if name == "seed" and value is None:
+                continue
+            whole = not isinstance(value, bool) and (isinstance(value, int) if name in INTEGERS else
+                                                     isinstance(value, (int, float)))
+            kind = "an integer " if name in INTEGERS else ""
+            check(whole and bounds.holds(value), f"{name} must be {kind}{bounds.describe()}{NOTES.get(name, '')}, "
+                                                 f"got {value!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
         check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,

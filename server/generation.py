@@ -172,8 +172,8 @@ def start_sequences(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int
     gens: list[Generation] = []
     try:
         for i in range(n):
-            seed = None if params.seed is None else params.seed + i
-            gens.append(start(runner, metrics, prompt_ids, dataclasses.replace(params, seed=seed)))
+            seed = None if params.seed is None else params.seed + i  # past the seeds' range: a 422 that says so
+            gens.append(start(runner, metrics, prompt_ids, validated(lambda: dataclasses.replace(params, seed=seed))))
     except APIError:
         for gen in gens:
             runner.release(gen.stream)

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Vali
 
 from engine import SamplingParams
 from engine.grammar import choice_grammar, json_object_grammar, json_schema_grammar, lark_grammar, regex_grammar
-from engine.sampling import MAX_TOP_LOGPROBS, InvalidParameter
+from engine.sampling import BOUNDS, InvalidParameter
 from server import tool_calls
 
 
@@ -104,20 +104,20 @@ class TGIGrammar(Strict):
 
 
 class TGIParameters(Strict):
-    max_new_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    max_new_tokens: int | None = Field(default=None, **BOUNDS["max_new_tokens"].field())
+    temperature: float | None = Field(default=None, **BOUNDS["temperature"].field())
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off (vLLM clients send -1)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    top_p: float | None = Field(default=None, **BOUNDS["top_p"].field())
+    min_p: float | None = Field(default=None, **BOUNDS["min_p"].field())
+    repetition_penalty: float | None = Field(default=None, **BOUNDS["repetition_penalty"].field())
+    frequency_penalty: float | None = Field(default=None, **BOUNDS["frequency_penalty"].field())
     do_sample: StrictBool = False
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, **BOUNDS["seed"].field())
     stop: list[str] = Field(default_factory=list)
     details: StrictBool = False
     return_full_text: StrictBool | None = False
     truncate: int | None = Field(default=None, ge=1)
-    top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_n_tokens: int | None = Field(default=None, **BOUNDS["top_logprobs"].field())
     decoder_input_details: StrictBool = False  # the prompt tokens with their logprobs, in details.prefill
     parse_special: StrictBool = False  # special-token strings in `inputs` as special tokens; otherwise they are text
     best_of: int | None = Field(default=None, ge=1)  # sample this many, return the likeliest (not streamed)
@@ -180,22 +180,22 @@ class OpenAISampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, **BOUNDS["max_new_tokens"].field())
+    temperature: float | None = Field(default=None, **BOUNDS["temperature"].field() | {"le": 2})  # OpenAI's own cap
+    top_p: float | None = Field(default=None, **BOUNDS["top_p"].field())
     n: int = Field(default=1, ge=1)  # choices: n sequences of one prompt, seeds seed, seed + 1, ...
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = Field(default=None, **BOUNDS["seed"].field())
+    presence_penalty: float | None = Field(default=None, **BOUNDS["presence_penalty"].field())
+    frequency_penalty: float | None = Field(default=None, **BOUNDS["frequency_penalty"].field())
     user: str | None = None
     logit_bias: dict | None = None
     # Extensions, as vLLM offers them.
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off (vLLM clients send -1)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_p: float | None = Field(default=None, **BOUNDS["min_p"].field())
+    repetition_penalty: float | None = Field(default=None, **BOUNDS["repetition_penalty"].field())
     ignore_eos: StrictBool = False
     # Special-token strings in the prompt or message text as special tokens; by default they are text, so a
     # user cannot type a chat turn or an end of text (the chat template's own markers are always special).
@@ -356,9 +356,9 @@ class ToolChoice(Strict):
 
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, **BOUNDS["max_new_tokens"].field())
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, **BOUNDS["top_logprobs"].field())
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None

@@ -119,7 +119,7 @@ def test_unseeded_requests_report_the_seed_that_reproduces_them(make_engine):
     ("min_p", 2.0, "min_p must be in [0, 1]"),
     ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
     ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1"),
-    ("seed", -3, "seed must be a non-negative integer"),
+    ("seed", -3, "seed must be an integer in [0, 9223372036854775808)"),
     ("presence_penalty", 3.0, "presence_penalty must be in [-2, 2]"),
     ("top_logprobs", 21, "top_logprobs must be an integer in [0, 20]"),
 ])

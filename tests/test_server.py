@@ -290,6 +290,8 @@ BAD_INPUTS = [
     ("top_p above one", "/generate", {"inputs": "hi", "parameters": {"top_p": 1.5}}, 422, "top_p"),
     ("unknown parameter", "/generate", {"inputs": "hi", "parameters": {"max_tokens": 5}}, 422, "parameters.max_tokens"),
     ("unsupported tgi field", "/generate", {"inputs": "hi", "parameters": {"watermark": True}}, 422, "not supported"),
+    ("the second choice's seed past the range", "/v1/completions", {"prompt": "hi", "n": 2, "seed": 2**63 - 1}, 400,
+     "seed must be an integer in [0, 9223372036854775808)"),
     ("too long prompt", "/generate", {"inputs": "word " * 600, "parameters": {"max_new_tokens": 4}}, 422, "max_seq_len = 512"),
     ("chat longer than the context, no max_tokens", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "leaves no room for a new token"),
