@@ -15,12 +15,12 @@ from engine.batch import PrefillBatch
 from engine.cpu_linear import use_fastest_products
 from engine.device import resolve_device, resolve_dtype
 from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
+from engine.grammar import Grammars, allowed_tokens
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
 from engine.quantization import QUANTIZE_MODES, WeightOnlyLinear, weights_bytes
 from engine.request import FinishReason, Request, RequestFailed, TokenEvent
 from engine.rope import RotaryTable
-from engine.grammar import Grammars, allowed_tokens
 from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
@@ -289,7 +289,8 @@ class Engine:
 
     @property
     def compiled_graphs(self) -> tuple[str, ...]:
-        """Decode batch buckets ("one", "many", and "few" where the head switches form) that run as compiled graphs; the rest run eagerly."""
+        """Decode batch buckets that run as compiled graphs ("one", "many", and "few" where the LM head switches
+        form); the rest run eagerly."""
         return tuple(self.executor.graphs)
 
     @property
