@@ -11,8 +11,20 @@ being written, the new request waits for it rather than compute it again.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """What one KV-cache slot holds: a running request's tokens, or the tokens a free slot keeps for reuse."""
+
+    slot: int
+    state: str  # "free", "prefill" (its prompt still being written) or "decode"
+    tokens: int  # positions written for the running request (0 when free)
+    kept: int  # positions a free slot keeps for a later request sharing their prefix (0 when running)
+    request_id: str | None = None
 
 
 class Scheduler:
@@ -92,6 +104,18 @@ class Scheduler:
     def decoding(self) -> list[Request]:
         """Running requests in slot order."""
         return [self.running[slot] for slot in sorted(self.running)]
+
+    def slot_states(self) -> list[SlotState]:
+        """Every slot, in order."""
+        states = []
+        for slot in range(len(self.kept)):
+            request = self.running.get(slot)
+            if request is None:
+                states.append(SlotState(slot, "free", 0, len(self.kept[slot])))
+            else:
+                state = "decode" if request.output_ids else "prefill"
+                states.append(SlotState(slot, state, request.cached_tokens, 0, request.request_id))
+        return states
 
     @property
     def kept_tokens(self) -> int:

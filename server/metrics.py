@@ -60,5 +60,16 @@ class Metrics:
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
 
+    def summary(self) -> dict[str, float | None]:
+        """The figures a live view shows, read from the same series /metrics exports: tokens so far, and the mean
+        time to first token and inter-token latency (None before any)."""
+        def mean(name: str) -> float | None:
+            count = self.registry.get_sample_value(f"{name}_count") or 0
+            return self.registry.get_sample_value(f"{name}_sum") / count if count else None
+
+        return {"generation_tokens_total": self.registry.get_sample_value("kvserve_generation_tokens_total"),
+                "time_to_first_token_mean_s": mean("kvserve_time_to_first_token_seconds"),
+                "inter_token_latency_mean_s": mean("kvserve_inter_token_latency_seconds")}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -72,10 +72,16 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
                  "quantized": BOOL, "weights_bytes": INT, "prefix_caching": BOOL, "compiled_decode": array(STR),
                  "kv_cache": obj({"capacity_bytes": INT})}),
     "Health": obj({"status": STR}),
+    "Slots": obj({"slots": array(obj({"slot": INT, "state": {"enum": ["free", "prefill", "decode"]}, "tokens": INT,
+                                      "kept": INT, "request_id": MAYBE_STR, "age_s": MAYBE_NUM})),
+                  "max_seq_len": INT, "waiting": INT, "running": INT,
+                  "kv_cache": obj({"capacity_bytes": INT, "used_bytes": INT, "kept_bytes": INT, "mha_capacity_bytes": INT}),
+                  "generation_tokens_total": NUM, "time_to_first_token_mean_s": MAYBE_NUM,
+                  "inter_token_latency_mean_s": MAYBE_NUM}),
 }
 RESPONSES = {"/generate": "TGIGenerated", "/": "TGIGenerated", "/tokenize": "Tokens",
              "/v1/completions": "Completion", "/v1/chat/completions": "ChatCompletion", "/v1/models": "ModelList",
-             "/info": "Info", "/health": "Health"}
+             "/info": "Info", "/health": "Health", "/slots": "Slots"}
 # One Server-Sent Event as a client parses it (OpenAPI 3.1 has a streamed media type's schema describe each event):
 # a JSON object in `data`, or `[DONE]` to end an OpenAI stream; TGI names its events.
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {

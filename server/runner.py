@@ -20,6 +20,7 @@ from typing import Callable
 
 from engine import Engine, RequestFailed, SamplingParams, TokenEvent
 from engine.request import Status
+from engine.scheduler import SlotState
 
 log = logging.getLogger("kvserve.runner")
 
@@ -43,6 +44,8 @@ class Snapshot:
     used_bytes: int = 0
     weights_bytes: int = 0
     kept_bytes: int = 0
+    slot_states: tuple[SlotState, ...] = ()
+    arrivals: tuple[tuple[str, float], ...] = ()  # (request id, arrival on time.perf_counter) of requests in flight
 
     @property
     def usage_ratio(self) -> float:
@@ -93,7 +96,7 @@ class EngineRunner:
         self._load = load
         self.request_timeout = request_timeout  # seconds from arrival to the last token; 0: no limit
         self.max_queue_wait = max_queue_wait  # seconds a request may wait for a slot; 0: no limit
-        self._arrivals: dict[str, float] = {}  # the loop thread's own: request id -> arrival, for the limits
+        self._arrivals: dict[str, float] = {}  # the loop thread's own: request id -> arrival, for the limits and ages
         self._warm_compile_cache = warm_compile_cache  # runs before the compile thread compiles in-process
         self._on_failure = on_failure  # called (on the loop thread) once the runner can serve nobody
         self.max_queue = max_queue
@@ -291,8 +294,7 @@ class EngineRunner:
         try:
             request = self.engine.add_request(stream.prompt_ids, stream.params, request_id=stream.request_id)
             stream.seed = request.seed
-            if self.request_timeout or self.max_queue_wait:
-                self._arrivals[stream.request_id] = stream.arrived_at
+            self._arrivals[stream.request_id] = stream.arrived_at  # for the limits, and the ages /slots shows
         except Exception as e:  # validated before submission; anything left is reported, not raised
             self._send([(stream.request_id, Failure(f"{type(e).__name__}: {e}"))])
 
@@ -312,5 +314,6 @@ class EngineRunner:
         with self._changed:
             self.snapshot = Snapshot(engine.num_running, engine.num_waiting, engine.cache.slots,
                                      engine.cache.capacity_bytes, engine.cache_used_bytes, self.weights_bytes,
-                                     engine.cache_kept_bytes)
+                                     engine.cache_kept_bytes, tuple(engine.scheduler.slot_states()),
+                                     tuple(self._arrivals.items()))
             self._changed.notify_all()

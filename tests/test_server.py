@@ -413,6 +413,7 @@ def test_api_key_is_required_when_set(model_dir):
         assert refused.status_code == 401 and refused.json()["error_type"] == "unauthorized"
         openai_refused = httpx.get(f"{running.url}/v1/models")
         assert openai_refused.status_code == 401 and "API key" in openai_refused.json()["error"]["message"]
+        assert httpx.get(f"{running.url}/slots").status_code == 401  # what runs is the key holders' business
         allowed = httpx.post(f"{running.url}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}},
                              headers={"Authorization": "Bearer sekret"}, timeout=60)
         assert allowed.status_code == 200
@@ -420,6 +421,23 @@ def test_api_key_is_required_when_set(model_dir):
             assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": header}).status_code == 200
         for header in ("Bearer sekre", "Bearer sekret2", "Basic sekret", "sekret", "Bearer SEKRET"):
             assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": header}).status_code == 401
+
+
+def test_slots_show_a_decoding_slot_then_what_it_kept(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"prompt": PROMPTS[7], "stream": True, "max_tokens": 400, "ignore_eos": True}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()  # held: a closed iterator would close the stream, and end the request
+            next(line for line in lines if line.startswith("data:"))  # a first token: decoding
+            busy = client.get("/slots").json()
+        decoding = [s for s in busy["slots"] if s["state"] == "decode"]
+        assert decoding and all(s["tokens"] > 0 and s["age_s"] > 0 and s["request_id"] for s in decoding)
+        assert len(busy["slots"]) == 4 and busy["running"] >= 1 and busy["max_seq_len"] == 512
+        assert server.runner.wait_for(lambda s: s.running == 0 and s.waiting == 0, timeout=30)  # the client left
+        after = client.get("/slots").json()
+        assert {s["state"] for s in after["slots"]} == {"free"} and max(s["kept"] for s in after["slots"]) > 0
+        assert after["kv_cache"]["kept_bytes"] > 0 and after["generation_tokens_total"] > 0
+        assert after["time_to_first_token_mean_s"] > 0 and after["inter_token_latency_mean_s"] > 0
 
 
 def test_health_is_503_while_loading(model_dir):
