@@ -273,18 +273,18 @@ class ChatText(ChoiceText):
     def __init__(self, reply: ChatReply, index: int):
         super().__init__(reply, index)
         self.started = False  # the first delta carries the role
-        self.held, self.held_events = "", []  # the text and tokens held back, with tools
+        self.held = ""  # the text held back, with tools (its tokens stay pending in the reply's loop)
 
     def logprobs(self, events: list[TokenEvent]) -> dict | None:
         return chat_logprobs(events, self.reply.tokenizer) if self.reply.body.logprobs and events else None
 
     def delta(self, text, finish, events) -> dict | None:
         if self.reply.body.calls_tools and text is not None:
-            self.held, self.held_events = self.held + text, self.held_events + events
+            self.held += text
             if finish is None:
-                return None
+                return None  # the reply's loop keeps these tokens pending: at the end `events` holds them all
             message = self.message(self.held, finish)
-            text, events, finish = message.get("content"), self.held_events, message["finish"]
+            text, finish = message.get("content"), message["finish"]
             delta = {"content": text} if text is not None else {}
             if "tool_calls" in message:
                 delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(message["tool_calls"])]

@@ -48,7 +48,7 @@ def test_required_and_named_calls_are_valid_calls_streamed_or_not(server):
     for seed in range(4):
         for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
             ask = dict(model="kvserve", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=300,
-                       temperature=1.0, seed=seed, parallel_tool_calls=False)  # one call, then the reply ends
+                       temperature=1.0, seed=seed, parallel_tool_calls=False, logprobs=True)  # one call, then it ends
             reply = client.chat.completions.create(**ask).choices[0]
             assert reply.finish_reason == "tool_calls" and reply.message.content is None
             calls = checked(reply.message.tool_calls)
@@ -57,6 +57,8 @@ def test_required_and_named_calls_are_valid_calls_streamed_or_not(server):
             deltas = [d for c in streamed for d in c.delta.tool_calls or ()]
             assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == calls  # as the reply
             assert [d.index for d in deltas] == list(range(len(deltas))) and streamed[-1].finish_reason == "tool_calls"
+            # Every token's logprob once, streamed as in the reply, though the text was held back to the end.
+            assert [t.token for c in streamed for t in c.logprobs.content] == [t.token for t in reply.logprobs.content]
 
 
 def test_a_reply_without_calls_stays_content(server):
