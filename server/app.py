@@ -7,10 +7,11 @@ import hmac
 import json
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import generation, openai_api, tgi
@@ -39,6 +40,8 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, metrics=metrics)
     if settings.api_key:
         install_api_key(app, settings.api_key, metrics)
+    if settings.ui == "on":
+        install_playground(app)
     app.include_router(tgi.create_router())
     app.include_router(openai_api.create_router())
     install_openapi(app)
@@ -141,6 +144,25 @@ def describe(e: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def install_playground(app: FastAPI) -> None:
+    """GET / from a browser (Accept: text/html) is the playground; its files are under /ui. POST / stays TGI's."""
+    files = Path(__file__).parent / "ui"
+    kinds = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}
+
+    @app.get("/", include_in_schema=False)
+    async def playground(request: Request):
+        if "text/html" not in request.headers.get("accept", ""):  # an API client: as before, POST only
+            return error_response("/", 405, "Method Not Allowed", "http", headers={"Allow": "POST"})
+        return FileResponse(files / "index.html", media_type="text/html")
+
+    @app.get("/ui/{name}", include_in_schema=False)
+    async def asset(name: str):
+        path = files / name
+        if path.suffix not in kinds or path.parent != files or not path.is_file():
+            return error_response("/ui", 404, f"no such file: {name}", "http")
+        return FileResponse(path, media_type=kinds[path.suffix])
+
+
 def install_api_key(app: FastAPI, key: str, metrics: Metrics) -> None:
     expected = key.encode()
 
@@ -150,8 +172,9 @@ def install_api_key(app: FastAPI, key: str, metrics: Metrics) -> None:
         return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), expected)
 
     @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if request.url.path in OPEN_PATHS or authorized(request.headers.get("authorization")):
+    async def check_key(request: Request, call_next):  # the playground's files are open: it asks for the key
+        page = request.method == "GET" and (request.url.path == "/" or request.url.path.startswith("/ui/"))
+        if request.url.path in OPEN_PATHS or page or authorized(request.headers.get("authorization")):
             return await call_next(request)
         metrics.failures.labels(reason="unauthorized").inc()
         return error_response(request.url.path, 401, "missing or wrong API key (send 'Authorization: Bearer KEY')",

@@ -32,10 +32,13 @@ class Settings:
     request_timeout: float = 0  # seconds; 0: none
     max_queue_wait: float = 0  # seconds; 0: none
     tool_call_parser: str = "auto"
+    ui: str = "on"
 
     def __post_init__(self) -> None:
         if self.prefix_caching not in ("on", "off"):
             raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
+        if self.ui not in ("on", "off"):
+            raise ValueError(f"ui must be on or off, got {self.ui!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         if self.request_timeout < 0 or self.max_queue_wait < 0:
@@ -87,6 +90,7 @@ FLAGS = [
     ("max_queue_wait", float, "seconds a request may wait for a slot; past it, 503 with Retry-After. 0: no limit"),
     ("prefix_caching", str, "on or off: a finished request's slot keeps its tokens' K/V, and a new request sharing "
                             "their prefix (a chat's earlier turns, a common system prompt) skips computing it"),
+    ("ui", str, "on or off: GET / in a browser serves the playground (chat, tokens, the KV cache's slots live)"),
     ("tool_call_parser", str, "auto, hermes or llama3: how the model writes tool calls (<tool_call> blocks, or "
                               "Llama 3's bare JSON); auto reads it from the chat template"),
 ]
