@@ -67,13 +67,31 @@ def test_the_page_loads_from_this_server_alone(browser, server):
     assert weight + len(httpx.get(f"{server.url}/", headers={"Accept": "text/html"}).content) < 150_000
 
 
+def ttft_sum(server) -> float:
+    metrics = httpx.get(f"{server.url}/metrics").text
+    return float(next(line.split()[-1] for line in metrics.splitlines()
+                      if line.startswith("kvserve_time_to_first_token_seconds_sum")))
+
+
 def test_send_shows_the_text_the_api_gives(browser, server):
     browser.get(f"{server.url}/")
+    before = ttft_sum(server)
     send(browser, "The quick brown fox", max_tokens=12)
     wait(browser, lambda: replies(browser) and replies(browser)[-1] is not None)
+    timing = browser.execute_script("return window.kvserveTiming")
+    page_ms, server_ms = timing["first"] - timing["sent"], (ttft_sum(server) - before) * 1e3
+    print(f"first token on the page {page_ms:.1f} ms after Send; the server's TTFT {server_ms:.1f} ms; "
+          f"the page's overhead {page_ms - server_ms:.1f} ms")  # issue 12's figure: reported, not asserted
     api = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "The quick brown fox"}], "max_tokens": 12, "temperature": 0})
     assert replies(browser)[-1] == api.json()["choices"][0]["message"]["content"] != ""
+    browser.execute_cdp_cmd("Browser.grantPermissions", {"origin": server.url,
+                                                         "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.ID, "copy").click()
+    copied = browser.execute_async_script("navigator.clipboard.readText().then(arguments[0], e => arguments[0](String(e)))")
+    assert copied == replies(browser)[-1]
     tokens = browser.execute_script("return [...document.querySelectorAll('.message.assistant .token')].map(t => t.title)")
     assert tokens and all(title.startswith("logprob ") for title in tokens)  # one span per token, with its logprob
 

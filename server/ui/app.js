@@ -5,6 +5,8 @@
 const $ = (id) => document.getElementById(id);
 const history = [];  // the conversation: {role, content}
 let controller = null;  // aborts the running request (Stop)
+const timing = { sent: null, first: null };  // performance.now() at Send and at the first token, for the tests' log
+window.kvserveTiming = timing;
 
 $("key").value = localStorage.getItem("kvserve-key") || "";
 $("key").addEventListener("change", () => localStorage.setItem("kvserve-key", $("key").value));
@@ -63,6 +65,8 @@ async function generate() {
   const reply = addMessage("assistant", "");
   let text = "";
   controller = new AbortController();
+  timing.sent = performance.now();
+  timing.first = null;
   $("send").disabled = true;
   $("stop").disabled = false;
   try {
@@ -89,6 +93,7 @@ async function generate() {
         if (chunk.error) throw new Error(chunk.error.message);
         for (const choice of chunk.choices) {
           const piece = choice.delta.content || "";
+          if (piece && timing.first === null) timing.first = performance.now();
           text += piece;
           const entries = choice.logprobs ? choice.logprobs.content : [];
           if (entries.length) entries.forEach((entry) => reply.appendChild(tokenSpan(entry)));
@@ -118,6 +123,10 @@ $("ask").addEventListener("submit", (event) => {
 });
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("clear").addEventListener("click", () => { history.length = 0; $("messages").textContent = ""; });
+$("copy").addEventListener("click", () => {  // the last reply's text
+  const last = [...history].reverse().find((m) => m.role === "assistant");
+  if (last) navigator.clipboard.writeText(last.content).catch((error) => showError(`copy failed: ${error}`));
+});
 $("regenerate").addEventListener("click", () => {
   if (history.length && history[history.length - 1].role === "assistant") {
     history.pop();
