@@ -61,6 +61,9 @@ def replies(browser) -> list[str]:
 def test_the_page_loads_from_this_server_alone(browser, server):
     browser.get(f"{server.url}/")
     wait(browser, lambda: browser.execute_script("return document.querySelectorAll('.slot').length") == 4)
+    info = httpx.get(f"{server.url}/info").json()["kv_cache"]
+    terms = " · ".join(str(info[k]) for k in ("B", "L", "T", "h_kv", "d_h", "itemsize"))
+    wait(browser, lambda: f"= 2 · {terms} =" in browser.execute_script("return document.getElementById('formula').textContent"))
     requested = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert requested and all(name.startswith(server.url) for name in requested)  # nothing from elsewhere
     weight = sum(len(httpx.get(f"{server.url}{path}").content) for path in ("/ui/app.js", "/ui/style.css"))

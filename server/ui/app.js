@@ -135,6 +135,8 @@ $("regenerate").addEventListener("click", () => {
   if (history.length) generate();
 });
 
+let last = null;  // the previous refresh's token count and time: tokens/s between refreshes
+
 function bytes(n) { return n >= 1 << 20 ? `${(n / (1 << 20)).toFixed(1)} MiB` : `${(n / 1024).toFixed(1)} KiB`; }
 
 async function refreshSlots() {
@@ -143,7 +145,7 @@ async function refreshSlots() {
     if (!response.ok) return;
     const view = await response.json();
     const cache = view.kv_cache;
-    $("formula").textContent = `${bytes(cache.used_bytes)} used, ${bytes(cache.kept_bytes)} kept of ` +
+    $("usage").textContent = `${bytes(cache.used_bytes)} used, ${bytes(cache.kept_bytes)} kept of ` +
       `${bytes(cache.capacity_bytes)} (MHA would need ${bytes(cache.mha_capacity_bytes)}); ` +
       `${view.running} running, ${view.waiting} waiting`;
     $("slots").textContent = "";
@@ -164,11 +166,23 @@ async function refreshSlots() {
       $("slots").appendChild(row);
     }
     const ms = (s) => (s === null ? "-" : `${(s * 1000).toFixed(1)} ms`);
-    $("figures").textContent = `mean time to first token ${ms(view.time_to_first_token_mean_s)}, ` +
-      `mean inter-token latency ${ms(view.inter_token_latency_mean_s)}, ${view.generation_tokens_total} tokens so far`;
+    const now = performance.now();
+    const rate = last ? ((view.generation_tokens_total - last.tokens) * 1000) / (now - last.at) : 0;
+    last = { tokens: view.generation_tokens_total, at: now };
+    $("figures").textContent = `${rate.toFixed(1)} tokens/s now; mean time to first token ` +
+      `${ms(view.time_to_first_token_mean_s)}, mean inter-token latency ${ms(view.inter_token_latency_mean_s)}, ` +
+      `${view.generation_tokens_total} tokens so far`;
   } catch (error) { /* the next refresh tries again */ }
 }
 
+// The cache's size as its formula, with this model's numbers, from /info.
+fetch("/info", { headers: headers() }).then((r) => r.ok ? r.json() : null).then((info) => {
+  if (!info) return;
+  const c = info.kv_cache;
+  $("formula").textContent = `2·B·L·T·h_kv·d_h·itemsize = 2 · ${c.B} · ${c.L} · ${c.T} · ${c.h_kv} · ${c.d_h} · ` +
+    `${c.itemsize} = ${bytes(c.capacity_bytes)}; with all ${c.h_q} query heads as K/V heads (MHA): ` +
+    `${bytes(c.mha_capacity_bytes)}`;
+});
 fetch("/v1/models", { headers: headers() }).then((r) => r.ok ? r.json() : null).then((models) => {
   if (models) $("model").textContent = models.data[0].id;
 });
