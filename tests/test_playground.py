@@ -109,6 +109,7 @@ def test_stop_frees_the_slot_and_the_view_shows_it(browser, server):
     browser.find_element(By.ID, "stop").click()
     assert server.runner.wait_for(lambda s: s.running == 0, timeout=30)  # the browser went away: slot freed
     assert {s["state"] for s in httpx.get(f"{server.url}/slots").json()["slots"]} == {"free"}
+    assert "kvserve_kv_cache_slots_in_use 0.0" in httpx.get(f"{server.url}/metrics").text.splitlines()
     wait(browser, lambda: browser.execute_script(busy) == 0)
 
 
