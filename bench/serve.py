@@ -39,7 +39,8 @@ def scrape(client: httpx.Client) -> dict[str, float]:
                 values[sample.name] = sample.value
             elif sample.name == "kvserve_requests_total":
                 values["requests"] = values.get("requests", 0) + sample.value
-            elif sample.name in ("kvserve_engine_step_seconds_count", "kvserve_engine_step_seconds_sum"):
+            elif sample.name in ("kvserve_engine_step_seconds_count", "kvserve_engine_step_seconds_sum",
+                                 "kvserve_requests_running", "kvserve_requests_waiting"):
                 values[sample.name] = sample.value
             elif sample.name == "kvserve_engine_step_seconds_bucket" and sample.labels["le"] == "1.0":
                 values["engine_steps_within_1s"] = sample.value

@@ -18,7 +18,7 @@ from collections import Counter
 import httpx
 
 from bench.common import machine, machine_line, write_results
-from bench.serve import local_server
+from bench.serve import local_server, scrape
 from bench.soak import rss_mib
 
 SETTLE_S = 60.0  # how long a storm's slots may take to come free before they count as leaked
@@ -26,10 +26,7 @@ SETTLE_S = 60.0  # how long a storm's slots may take to come free before they co
 
 def held(client: httpx.Client) -> tuple[float, float]:
     """(requests running, requests waiting) from the server's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = {s.name: s.value for family in text_string_to_metric_families(client.get("/metrics").text)
-              for s in family.samples}
+    values = scrape(client)
     return values["kvserve_requests_running"], values["kvserve_requests_waiting"]
 
 

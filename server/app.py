@@ -80,11 +80,14 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
         """Every KV-cache slot as the loop thread last saw it, the queue, and the cache's size (llama.cpp's name)."""
         generation.ensure_ready(runner)
         snapshot, cache, now = runner.snapshot, runner.engine.cache, time.perf_counter()
-        arrived = dict(snapshot.arrivals)
+
+        def age(request_id: str | None) -> float | None:
+            arrived = runner.arrived_at(request_id) if request_id else None
+            return None if arrived is None else now - arrived
+
         return {
             "slots": [{"slot": s.slot, "state": s.state, "tokens": s.tokens, "kept": s.kept, "request_id": s.request_id,
-                       "age_s": now - arrived[s.request_id] if s.request_id in arrived else None}
-                      for s in snapshot.slot_states],
+                       "age_s": age(s.request_id)} for s in snapshot.slot_states],
             "max_seq_len": cache.max_seq_len, "waiting": snapshot.waiting, "running": snapshot.running,
             "kv_cache": {"capacity_bytes": snapshot.capacity_bytes, "used_bytes": snapshot.used_bytes,
                          "kept_bytes": snapshot.kept_bytes, "mha_capacity_bytes": cache.mha_capacity_bytes},

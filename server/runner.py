@@ -45,7 +45,6 @@ class Snapshot:
     weights_bytes: int = 0
     kept_bytes: int = 0
     slot_states: tuple[SlotState, ...] = ()
-    arrivals: tuple[tuple[str, float], ...] = ()  # (request id, arrival on time.perf_counter) of requests in flight
 
     @property
     def usage_ratio(self) -> float:
@@ -96,7 +95,7 @@ class EngineRunner:
         self._load = load
         self.request_timeout = request_timeout  # seconds from arrival to the last token; 0: no limit
         self.max_queue_wait = max_queue_wait  # seconds a request may wait for a slot; 0: no limit
-        self._arrivals: dict[str, float] = {}  # the loop thread's own: request id -> arrival, for the limits and ages
+        self._arrivals: dict[str, float] = {}  # the loop thread's own: request id -> arrival, for the limits
         self._warm_compile_cache = warm_compile_cache  # runs before the compile thread compiles in-process
         self._on_failure = on_failure  # called (on the loop thread) once the runner can serve nobody
         self.max_queue = max_queue
@@ -162,6 +161,11 @@ class EngineRunner:
     def waiting(self) -> int:
         """Accepted requests beyond the slots: they wait, first come first served."""
         return max(0, self._active - self.engine.cache.slots) if self.engine else 0
+
+    def arrived_at(self, request_id: str) -> float | None:
+        """When a request in flight arrived (time.perf_counter), from the event loop's own streams."""
+        stream = self._streams.get(request_id)
+        return None if stream is None else stream.arrived_at
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
         if not self.ready:
@@ -294,7 +298,8 @@ class EngineRunner:
         try:
             request = self.engine.add_request(stream.prompt_ids, stream.params, request_id=stream.request_id)
             stream.seed = request.seed
-            self._arrivals[stream.request_id] = stream.arrived_at  # for the limits, and the ages /slots shows
+            if self.request_timeout or self.max_queue_wait:
+                self._arrivals[stream.request_id] = stream.arrived_at
         except Exception as e:  # validated before submission; anything left is reported, not raised
             self._send([(stream.request_id, Failure(f"{type(e).__name__}: {e}"))])
 
@@ -314,6 +319,5 @@ class EngineRunner:
         with self._changed:
             self.snapshot = Snapshot(engine.num_running, engine.num_waiting, engine.cache.slots,
                                      engine.cache.capacity_bytes, engine.cache_used_bytes, self.weights_bytes,
-                                     engine.cache_kept_bytes, tuple(engine.scheduler.slot_states()),
-                                     tuple(self._arrivals.items()))
+                                     engine.cache_kept_bytes, tuple(engine.scheduler.slot_states()))
             self._changed.notify_all()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -69,3 +70,11 @@ def start_subprocess(*args: str, env: dict | None = None,
         if "ready:" in line or "failed to load" in line:
             break
     return process, lines
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """/metrics text as {name, with its labels as JSON when it has any: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

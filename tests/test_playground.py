@@ -7,7 +7,7 @@ import shutil
 import httpx
 import pytest
 
-from tests.server_harness import serve
+from tests.server_harness import metric_values, serve
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "
@@ -71,9 +71,7 @@ def test_the_page_loads_from_this_server_alone(browser, server):
 
 
 def ttft_sum(server) -> float:
-    metrics = httpx.get(f"{server.url}/metrics").text
-    return float(next(line.split()[-1] for line in metrics.splitlines()
-                      if line.startswith("kvserve_time_to_first_token_seconds_sum")))
+    return metric_values(httpx.get(f"{server.url}/metrics").text)["kvserve_time_to_first_token_seconds_sum"]
 
 
 def test_send_shows_the_text_the_api_gives(browser, server):

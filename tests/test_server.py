@@ -15,7 +15,7 @@ from httpx_sse import connect_sse
 
 from engine import Engine, EngineConfig, SamplingParams
 from server.settings import Settings
-from tests.server_harness import serve
+from tests.server_harness import metric_values, serve
 
 PROMPTS = [f"{w} number {i}" for i, w in enumerate(
     ["The quick brown fox", "Paris is", "def add(a, b):", "Once upon a time", "Café 🙂", "Berlin", "lazy dog",
@@ -233,13 +233,6 @@ def test_openai_stop_string_is_excluded(server, offline):
     streamed = client.completions.create(model="kvserve", prompt=PROMPTS[4], max_tokens=12, temperature=0,
                                          stop=[stop], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == full[: full.find(stop)]
-
-
-def metric_values(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_metrics_agree_with_what_clients_received(server):
