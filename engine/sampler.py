@@ -43,22 +43,37 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState],
     and filters), as OpenAI and TGI report them. A row of non-finite logits raises: the model failed
     on it, and no token drawn from it would mean anything.
     """
-    if not torch.isfinite(logits).all():
-        raise FloatingPointError("the model produced non-finite logits")
+    best, log_norm = normalize(logits)
     scores = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     scores = _penalize(scores, rows) if any(r.params.has_penalties for r in rows) else scores
-    tokens = scores.argmax(dim=-1)
+    tokens = best if scores is logits else scores.argmax(dim=-1)  # unfiltered rows: the max already found it
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         picked = _sample(scores[sampled], [rows[i] for i in sampled])
         tokens[sampled] = picked
-    return score(logits, tokens, [r.params.top_logprobs for r in rows])
+    return score(logits, tokens, [r.params.top_logprobs for r in rows], log_norm)
 
 
-def score(logits: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[int]) -> list[Choice]:
-    """logits (b, V), tokens (b,) -> each token's log-probability and its row's `wanted[row]` most likely tokens."""
+def normalize(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (b, V) -> each row's most likely token (b,) and its log-sum-exp (b,), from one pass for the max.
+
+    Raises where a log-sum-exp is not finite: a NaN or +inf logit, or no finite one in the row.
+    """
+    top, best = logits.max(dim=-1)  # (b,): the first maximum, as argmax
+    log_norm = top + (logits - top[:, None]).exp_().sum(dim=-1).log_()  # shifted by the max: no overflow
+    if not torch.isfinite(log_norm).all():
+        raise FloatingPointError("the model produced non-finite logits")
+    return best, log_norm
+
+
+def score(logits: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[int],
+          log_norm: torch.Tensor | None = None) -> list[Choice]:
+    """logits (b, V), tokens (b,) -> each token's log-probability and its row's `wanted[row]` most likely tokens.
+
+    log_norm (b,): each row's log-sum-exp, when the caller has it already.
+    """
     # log softmax where it is read only: a logit minus its row's log-sum-exp.
-    log_norm = logits.logsumexp(dim=-1)
+    log_norm = logits.logsumexp(dim=-1) if log_norm is None else log_norm
     chosen = logits.gather(-1, tokens[:, None])[:, 0] - log_norm
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
     if max(wanted, default=0):
