@@ -23,6 +23,12 @@ def add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
                         help="a small run that finishes in under a minute")
     parser.add_argument("--threads", type=int, default=default(None), help="torch threads (default: torch's choice)")
 
+def weights(command: argparse.ArgumentParser) -> None:
+    """The weight flags of the servers a bench starts."""
+    command.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"],
+                         help="the server's --quantize")
+    command.add_argument("--dense-copies", default="off", choices=["on", "off"], help="the server's --dense-copies")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
@@ -60,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: the model folder's model.gguf, which the default model keeps)")
     decode.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"],
                         help="kvserve's weights (auto: a GGUF's quantized matrices as stored); transformers stays dense")
+    decode.add_argument("--dense-copies", default="off", choices=["on", "off"],
+                        help="kvserve's quantized layers also keep dense copies for many rows")
 
     serve = command("serve", help="load on the HTTP server: TTFT, inter-token latency, throughput")
     serve.add_argument("--url", default=None, help="a running server (default: start one on a free port)")
@@ -70,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--requests", type=int, default=None, help="requests per level (default: 2x concurrency)")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=16)
-    serve.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"],
-                       help="the server's --quantize")
+    weights(serve)
     serve.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                        help="the server's --compile; with auto or on, timings start once its compile thread is done")
 
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix.add_argument("--model", default=None, help="model for the servers this starts (default: the default model)")
     prefix.add_argument("--new-tokens", type=int, default=16)
     prefix.add_argument("--dtype", default="auto")
-    prefix.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
+    weights(prefix)
     prefix.add_argument("--compile", default="off", choices=["auto", "on", "off"])
 
     soak = command("soak", help="mixed requests from C clients for N minutes: errors, server memory, inter-token "
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--model", default=None, help="model for the server this starts (default: the default model)")
     soak.add_argument("--dtype", default="auto")
-    soak.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
+    weights(soak)
     soak.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
 
     structured = command("structured", help="a JSON-schema grammar's cost per token, its compile time, and how many "
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     storm.add_argument("--model", default=None, help="model for the servers this starts (default: the default model)")
     storm.add_argument("--max-batch-size", type=int, default=16)
     storm.add_argument("--dtype", default="auto")
-    storm.add_argument("--quantize", default="auto", choices=["auto", "none", "int4", "int8"])
+    weights(storm)
     storm.add_argument("--compile", default="off", choices=["auto", "on", "off"])
 
     args = parser.parse_args(argv)
@@ -125,3 +132,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -14,7 +14,7 @@ from bench.common import Timing, machine, machine_line, markdown_table, plot, ti
 from engine import Engine, EngineConfig, SamplingParams
 from engine.quantization import WeightOnlyLinear
 from engine.cpu_linear import CpuLinear
-from engine.tied_head import TiedHead
+from engine.two_forms import TwoForms
 from weights.checkpoint import transformers_files
 from weights.gguf_file import WEIGHTS_NAME, import_gguf
 
@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> dict:
     # Prefix caching off: every timed run repeats its prompts, and must compute them as the reference does.
     ours = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=8, max_seq_len=1024,
                                                      prefix_caching=False,
-                                                     quantize=args.quantize, compile="on" if args.compile else "off"))
+                                                     quantize=args.quantize, dense_copies=args.dense_copies == "on",
+                                                     compile="on" if args.compile else "off"))
     started = time.perf_counter()
     compiled = ours.compile()
     compile_s = time.perf_counter() - started if compiled else None
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace) -> dict:
                                pad_token_id=0)
 
     results: dict[str, dict[str, Timing]] = {}
-    parts = [part for part in (quantized, compiled and "compiled") if part]
+    copies = args.dense_copies == "on" and "dense copies"
+    parts = [part for part in (quantized, copies, compiled and "compiled") if part]
     ours_name = f"kvserve ({', '.join(parts)})" if parts else "kvserve"
     for name, gen in ((ours_name, ours_generate), ("transformers", theirs_generate)):
         one = timed(lambda: gen(prompts[:1], 1), repeats)
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
          "output tokens/s", {name: ([1, 8], [1 / r["decode_per_token"].median, 8 * new_tokens / r["batch8"].median])
                              for name, r in results.items()})
     if compile_s is not None:
-        table += f"\n\nkvserve's decode step compiled in {compile_s:.1f} s before the timings (both graphs)."
+        table += f"\n\nkvserve's decode step compiled in {compile_s:.1f} s before the timings (every graph)."
     print(table)
     return payload
 
@@ -137,13 +139,18 @@ def reference_run(args, path: Path, prompts, long_prompt, new_tokens: int, repea
 
 
 def projections(model: torch.nn.Module, rows: int = 1) -> list[torch.nn.Module]:
-    """Every matrix product of a decode step of `rows` sequences: the blocks' projections and the LM head (in
-    the form it takes for that many rows), whatever their kind."""
-    head = model.lm_head
-    if isinstance(head, TiedHead):
-        head = head.dense if head.dense_from is not None and rows >= head.dense_from else head.codes
-    blocks = [m for m in model.layers.modules() if isinstance(m, (torch.nn.Linear, CpuLinear, WeightOnlyLinear))]
-    return blocks + [head]
+    """Every matrix product of a decode step of `rows` sequences: the blocks' projections and the LM head, each
+    in the form it takes for that many rows, whatever their kind."""
+    products = (torch.nn.Linear, CpuLinear, WeightOnlyLinear)
+
+    def found(module: torch.nn.Module) -> list[torch.nn.Module]:
+        if isinstance(module, TwoForms):
+            return [module.form(rows)]
+        if isinstance(module, products):
+            return [module]
+        return [p for child in module.children() for p in found(child)]
+
+    return found(model.layers) + found(model.lm_head)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

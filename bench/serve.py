@@ -59,14 +59,14 @@ def local_server(args: argparse.Namespace, extra: list[str] = (), started: list 
                "--compile", args.compile]
     if args.model:
         command += ["--model", args.model]
-    command += ["--quantize", args.quantize, *extra]
+    command += ["--quantize", args.quantize, "--dense-copies", args.dense_copies, *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     if started is not None:
         started.append(process)
     try:
         # The log lines that say the model is loaded and, when compiling, that the compile thread is done:
         # timings start on the server as it will run from then on.
-        done = ("compiled decode step for batches", "decode stays eager", "compiling the decode step failed")
+        done = ("decode compiled for every batch size", "decode stays eager", "compiling the decode step failed")
         for line in process.stdout:
             if "ready:" in line and args.compile == "off" or any(marker in line for marker in done):
                 break

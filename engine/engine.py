@@ -24,7 +24,7 @@ from engine.rope import RotaryTable
 from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
-from engine.tied_head import tie_quantized_head
+from engine.two_forms import keep_dense_copies, tie_quantized_head
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
@@ -44,6 +44,9 @@ class EngineConfig:
     # Weight-only quantized products (CPU, bfloat16 activations). auto: a GGUF's quantized matrices served as
     # stored when dtype is auto or bfloat16, else dense; none: dense; int4, int8: float weights quantized at load.
     quantize: str = "auto"
+    # Quantized layers on the CPU also keep a dense bfloat16 copy, run from the row count where it was measured
+    # faster (prefill, large batches): faster for the memory of the copies (four times int4 codes).
+    dense_copies: bool = False
     compile: str = "off"  # "auto"/"on": Engine.compile() builds compiled decode graphs where they can run
     prefix_caching: bool = True  # a new request reuses the K/V a free slot kept of a shared prompt prefix
 
@@ -96,6 +99,8 @@ class Engine:
             )
         slots = self._slots(model_config, max_seq_len)
         tie_quantized_head(model, max_rows=slots)  # a quantized tied head: codes or the dense embedding, as measured
+        if config.dense_copies and self.device.type == "cpu":  # codes or a dense copy, as measured, up to a chunk
+            keep_dense_copies(model, max_rows=max(slots, config.prefill_chunk_size))
         self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype)
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
         self.scheduler = Scheduler(slots, config.prefix_caching, copy_min_tokens=config.prefill_chunk_size)
@@ -289,8 +294,8 @@ class Engine:
 
     @property
     def compiled_graphs(self) -> tuple[str, ...]:
-        """Decode batch buckets that run as compiled graphs ("one", "many", and "few" where the LM head switches
-        form); the rest run eagerly."""
+        """Decode batch buckets that run as compiled graphs, by the batch sizes they serve ("1", "2+", or ranges
+        split where a layer switches form); the rest run eagerly."""
         return tuple(self.executor.graphs)
 
     @property

@@ -2,8 +2,8 @@
 
 A few graphs serve every decode step, each for a range of batch sizes (a bucket): one for a single
 sequence (torch specializes size 1, so a batch of one is a graph of its own) and one for any larger
-batch; where the model's LM head changes form at some number of rows (a TiedHead), the larger batches
-split there, one graph on each side. In every graph the batch size and the keys read per row (the
+batch; where a layer changes form at some number of rows (TwoForms: the LM head, dense copies), the
+larger batches split there, one graph on each side. In every graph the batch size and the keys read per row (the
 filled length, not T) are dynamic dimensions, so decode cost still follows what the slots hold and no
 batch is padded.
 
@@ -28,7 +28,7 @@ from engine.batch import DecodeBatch
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.rope import RotaryTable
-from engine.tied_head import TiedHead
+from engine.two_forms import TwoForms
 
 log = logging.getLogger("kvserve.executor")
 
@@ -100,7 +100,7 @@ class GraphDecodeBatch:
 class DecodeExecutor:
     def __init__(self, model: Transformer, rotary: RotaryTable, cache: KVCache):
         self.model, self.rotary, self.cache = model, rotary, cache
-        self.buckets = batch_buckets(model)
+        self.buckets = batch_buckets(model, cache.slots)
         self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready
 
     def bucket(self, batch_size: int) -> str:
@@ -135,11 +135,14 @@ class DecodeExecutor:
         # as long, at batch 1, as the step's attention.
         unguarded = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         compiled = torch.compile(self.step, options={"guard_filter_fn": unguarded})
+        first = time.perf_counter()
         for name, (batch_size, largest) in ((name, self.sizes(name)) for name in self.buckets):
             started = time.perf_counter()
             compiled(*self._scratch_step(batch_size, dynamic_batch=largest != batch_size))
             self.graphs[name] = compiled
             log.info("compiled decode step for %s in %.1f s", self.describe(name), time.perf_counter() - started)
+        log.info("decode compiled for every batch size: %d graphs in %.1f s", len(self.graphs),
+                 time.perf_counter() - first)
 
     def _scratch_step(self, batch_size: int, dynamic_batch: bool) -> tuple[torch.Tensor, ...]:
         """step()'s arguments for batch_size rows on a scratch cache of the live cache's layout, its sizes marked dynamic
@@ -181,11 +184,10 @@ class DecodeExecutor:
         return f"batch {smallest}" if largest == smallest else f"batches of {smallest} to {largest}"
 
 
-def batch_buckets(model: Transformer) -> dict[str, int]:
-    """Each decode bucket by the smallest batch it serves: one sequence, then any larger batch, split where
-    the LM head changes form."""
-    head = model.lm_head
-    switch = head.dense_from if isinstance(head, TiedHead) else None
-    if switch is None or switch <= 2:
-        return {"one": 1, "many": 2}
-    return {"one": 1, "few": 2, "many": switch}
+def batch_buckets(model: Transformer, slots: int) -> dict[str, int]:
+    """Each decode bucket, named by the batch sizes it serves, by the smallest: one sequence, then larger batches,
+    split wherever a layer changes form (TwoForms) at a batch the slots can hold."""
+    switches = {m.dense_from for m in model.modules() if isinstance(m, TwoForms) and m.dense_from is not None}
+    starts = sorted({1, 2} | {n for n in switches if 2 < n <= slots})
+    ends = [n - 1 for n in starts[1:]] + [None]
+    return {str(a) if a == b else f"{a}+" if b is None else f"{a}-{b}": a for a, b in zip(starts, ends)}

@@ -90,7 +90,9 @@ class WeightOnlyLinear(nn.Module):
     """A linear layer whose weight is stored quantized; subclasses hold the codes and run one kernel."""
 
     bias: torch.Tensor | None
+    in_features: int
     out_features: int
+    activation_dtype: torch.dtype  # what the kernel takes and returns
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (tokens, in) -> (tokens, out), without the bias."""
@@ -117,6 +119,7 @@ class GroupLinear(WeightOnlyLinear):
         self.bias = bias
         self.halves = len(halves)
         self.out_features, self.in_features = weight.shape
+        self.activation_dtype = dtype
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
@@ -134,6 +137,7 @@ class Int8Linear(WeightOnlyLinear):
         self.register_buffer("scales", scale.to(dtype))
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        self.activation_dtype = dtype
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)

@@ -27,6 +27,7 @@ class Settings:
     model_name: str | None = None  # None: see served_model_name
     seed: int | None = None
     quantize: str = "auto"
+    dense_copies: str = "off"
     compile: str = "auto"
     prefix_caching: str = "on"
     request_timeout: float = 0  # seconds; 0: none
@@ -37,6 +38,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.prefix_caching not in ("on", "off"):
             raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
+        if self.dense_copies not in ("on", "off"):
+            raise ValueError(f"dense_copies must be on or off, got {self.dense_copies!r}")
         if self.ui not in ("on", "off"):
             raise ValueError(f"ui must be on or off, got {self.ui!r}")
         if not 0 <= self.port < 65536:
@@ -61,7 +64,8 @@ class Settings:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                             kv_cache_memory=self.kv_cache_memory, device=self.device, dtype=self.dtype, seed=self.seed,
-                            quantize=self.quantize, compile=self.compile, prefix_caching=self.prefix_caching == "on")
+                            quantize=self.quantize, dense_copies=self.dense_copies == "on", compile=self.compile,
+                            prefix_caching=self.prefix_caching == "on")
 
 
 FLAGS = [
@@ -83,6 +87,8 @@ FLAGS = [
     ("quantize", str, "auto, none, int4 or int8: weight-only quantized products, bfloat16 activations, CPU only. "
                       "auto serves a GGUF's quantized matrices as stored (as llama.cpp does; dense with --dtype "
                       "float32), other weights dense; int4/int8 also quantize float weights at load"),
+    ("dense_copies", str, "on or off: quantized layers also keep a dense bfloat16 copy, used from the number of rows "
+                          "where it was measured faster at load (prefill, many streams); costs the copies' memory"),
     ("compile", str, "auto, on or off: compile the decode step with torch.compile in the background while serving "
                      "eagerly (auto and on: where it can run, the CPU with a C++ compiler; code cached on disk)"),
     ("request_timeout", float, "seconds from a request's arrival to its last token; past it the request ends with "

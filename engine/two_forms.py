@@ -1,0 +1,138 @@
+"""A linear layer in two forms, quantized codes for few rows and a dense weight for many, switching where measured.
+
+Torch's weight-only kernels are fastest for a few rows and slower than a dense product for many: they
+unpack the codes again for every small block of rows, while a dense product reads its weight once for all
+rows. Where the two cross depends on the CPU, so it is measured at load, for the row counts the engine
+runs; the layer then takes the codes below that many rows and the dense weight from it on.
+
+Two places have a dense form:
+- the LM head of a quantized model with tied embeddings (SmolLM2, Qwen2, Llama 3.2): its dense form is
+  the embedding itself, which stays dense for row lookups, so it costs no memory;
+- with `dense_copies`, every quantized layer of the blocks: a bfloat16 copy of its weight, for prefill
+  and large batches, at the price of that copy's memory (four times int4 codes).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from engine.cpu_linear import CpuLinear
+from engine.device import cpu_has_native_bf16
+from engine.quantization import WeightOnlyLinear
+
+log = logging.getLogger("kvserve.two_forms")
+
+TIMED_CALLS = 3  # per form and row count, after one warm-up call; the median is kept
+
+
+class TwoForms(nn.Module):
+    def __init__(self, codes: WeightOnlyLinear, dense: nn.Module, dense_from: int | None):
+        super().__init__()
+        self.codes = codes
+        self.dense = dense
+        self.dense_from = dense_from  # rows from which the dense form runs; None: never
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.out_features
+
+    def form(self, rows: int) -> nn.Module:
+        """The form that runs a product of `rows` rows."""
+        return self.dense if self.dense_from is not None and rows >= self.dense_from else self.codes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.form(x.numel() // x.shape[-1])(x)
+
+
+def tie_quantized_head(model: nn.Module, max_rows: int) -> None:
+    """On the CPU, a tied model whose head is codes gets TwoForms with the embedding, in place."""
+    head, embedding = model.lm_head, model.embed_tokens.weight
+    if not (model.config.tie_word_embeddings and isinstance(head, WeightOnlyLinear) and embedding.device.type == "cpu"):
+        return
+    dense = CpuLinear(embedding, head.bias, widen_bfloat16=not cpu_has_native_bf16())
+    timings = {rows: (seconds([head], rows), seconds([dense], rows)) for rows in row_counts(max_rows)}
+    model.lm_head = TwoForms(head, dense, dense_from(timings))
+    log.info("LM head: codes below %s rows, the dense embedding from there (ms codes/dense by rows: %s)",
+             model.lm_head.dense_from or "any number of", described(timings))
+
+
+def keep_dense_copies(model: nn.Module, max_rows: int) -> None:
+    """Every quantized layer of the blocks gets TwoForms with a dense copy of its weight, in place.
+
+    One switch for all of them: the blocks repeat the same shapes, so the first block's layers are timed
+    together and the count found there holds for every block.
+    """
+    layers = [(block, parent, name, child) for block, layer in enumerate(model.layers) for parent in layer.modules()
+              for name, child in parent.named_children() if isinstance(child, WeightOnlyLinear)]
+    if not layers:
+        return
+    widen = not cpu_has_native_bf16()
+    copies = [CpuLinear(nn.Parameter(dense_weight(child), requires_grad=False), child.bias, widen)
+              for _, _, _, child in layers]
+    first = [i for i, (block, *_) in enumerate(layers) if block == 0]
+    timings = {rows: (seconds([layers[i][3] for i in first], rows), seconds([copies[i] for i in first], rows))
+               for rows in row_counts(max_rows)}
+    switch = dense_from(timings)
+    for (_, parent, name, child), copy in zip(layers, copies):
+        setattr(parent, name, TwoForms(child, copy, switch))
+    log.info("dense copies of %d quantized layers: codes below %s rows, the copies from there "
+             "(ms codes/dense of one block by rows: %s)", len(layers), switch or "any number of", described(timings))
+
+
+@torch.inference_mode()
+def dense_weight(layer: WeightOnlyLinear) -> torch.Tensor:
+    """The layer's weight (out, in) as its kernel computes with it: the product with the identity, transposed."""
+    identity = torch.eye(layer.in_features, dtype=layer.activation_dtype)
+    return layer.product(identity).t().contiguous()  # (in, out) -> (out, in)
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """Powers of two below max_rows, and max_rows."""
+    return sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows} | {max_rows})
+
+
+def dense_from(timings: dict[int, tuple[float, float]]) -> int | None:
+    """The fewest measured rows from which the dense form (second) was faster at every larger count, or None."""
+    start = None
+    for rows in sorted(timings, reverse=True):
+        codes, dense = timings[rows]
+        if dense >= codes:
+            break
+        start = rows
+    return start
+
+
+def described(timings: dict[int, tuple[float, float]]) -> str:
+    return ", ".join(f"{rows}: {c * 1e3:.1f}/{d * 1e3:.1f}" for rows, (c, d) in timings.items())
+
+
+@torch.inference_mode()
+def seconds(layers: list[nn.Module], rows: int) -> float:
+    """The median time of one product of `rows` rows through each of the layers in turn."""
+    inputs = [torch.randn(rows, layer.in_features, dtype=activation_dtype(layer)) for layer in layers]
+
+    def run() -> None:
+        for layer, x in zip(layers, inputs):
+            layer(x)
+
+    run()
+    calls = []
+    for _ in range(TIMED_CALLS):
+        started = time.perf_counter()
+        run()
+        calls.append(time.perf_counter() - started)
+    return statistics.median(calls)
+
+
+def activation_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a layer's inputs are: its kernel's for codes, else its weight's."""
+    return layer.activation_dtype if isinstance(layer, WeightOnlyLinear) else layer.weight.dtype
