@@ -66,26 +66,42 @@ def tie_quantized_head(model: nn.Module, max_rows: int) -> None:
 
 
 def keep_dense_copies(model: nn.Module, max_rows: int) -> None:
-    """Every quantized layer of the blocks gets TwoForms with a dense copy of its weight, in place.
+    """Every quantized layer of the blocks gets TwoForms with a dense copy of its weight, in place, where the
+    copies measured faster from some row count on.
 
     One switch for all of them: the blocks repeat the same shapes, so the first block's layers are timed
     together and the count found there holds for every block.
     """
-    layers = [(block, parent, name, child) for block, layer in enumerate(model.layers) for parent in layer.modules()
-              for name, child in parent.named_children() if isinstance(child, WeightOnlyLinear)]
-    if not layers:
+    first = [child for block, _, _, child in quantized_layers(model) if block == 0]
+    if not first:
         return
-    widen = not cpu_has_native_bf16()
-    copies = [CpuLinear(nn.Parameter(dense_weight(child), requires_grad=False), child.bias, widen)
-              for _, _, _, child in layers]
-    first = [i for i, (block, *_) in enumerate(layers) if block == 0]
-    timings = {rows: (seconds([layers[i][3] for i in first], rows), seconds([copies[i] for i in first], rows))
-               for rows in row_counts(max_rows)}
+    copies = [dense_copy(layer) for layer in first]
+    timings = {rows: (seconds(first, rows), seconds(copies, rows)) for rows in row_counts(max_rows)}
     switch = dense_from(timings)
-    for (_, parent, name, child), copy in zip(layers, copies):
-        setattr(parent, name, TwoForms(child, copy, switch))
-    log.info("dense copies of %d quantized layers: codes below %s rows, the copies from there "
-             "(ms codes/dense of one block by rows: %s)", len(layers), switch or "any number of", described(timings))
+    if switch is None:  # a copy that never runs would only take memory
+        log.info("no dense copies: the codes were faster at every row count (ms codes/dense of one block by rows: %s)",
+                 described(timings))
+        return
+    attach_dense_copies(model, switch)
+    log.info("dense copies of the quantized layers: codes below %d rows, the copies from there "
+             "(ms codes/dense of one block by rows: %s)", switch, described(timings))
+
+
+def attach_dense_copies(model: nn.Module, dense_from: int) -> None:
+    """Every quantized layer of the blocks becomes TwoForms with a dense copy, switching at `dense_from` rows."""
+    for _, parent, name, child in quantized_layers(model):
+        setattr(parent, name, TwoForms(child, dense_copy(child), dense_from))
+
+
+def quantized_layers(model: nn.Module) -> list[tuple[int, nn.Module, str, WeightOnlyLinear]]:
+    """(block index, parent module, attribute name, layer) of every quantized layer in the blocks."""
+    return [(block, parent, name, child) for block, layer in enumerate(model.layers) for parent in layer.modules()
+            for name, child in parent.named_children() if isinstance(child, WeightOnlyLinear)]
+
+
+def dense_copy(layer: WeightOnlyLinear) -> CpuLinear:
+    return CpuLinear(nn.Parameter(dense_weight(layer), requires_grad=False), layer.bias,
+                     widen_bfloat16=not cpu_has_native_bf16())
 
 
 @torch.inference_mode()

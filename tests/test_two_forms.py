@@ -15,7 +15,7 @@ from engine.model import build_model
 from engine.quantization import GroupCodes, GroupLinear, Int8Linear
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.two_forms import TwoForms, dense_from, dense_weight, row_counts
+from engine.two_forms import TwoForms, attach_dense_copies, dense_from, dense_weight, row_counts
 from server.settings import Settings
 from tests.server_harness import serve
 from weights.checkpoint import load_checkpoint
@@ -85,17 +85,16 @@ def test_compiled_decode_splits_its_batches_where_the_head_switches(switching_mo
 
 @torch.inference_mode()
 def test_dense_copies_hold_the_weights_the_codes_compute_with(model_dir):
-    engine = Engine.from_pretrained(model_dir("gqa"), EngineConfig(device="cpu", quantize="int4", dense_copies=True,
-                                                                   max_batch_size=4, max_seq_len=64))
+    engine = Engine.from_pretrained(model_dir("gqa"), EngineConfig(device="cpu", quantize="int4", max_batch_size=4,
+                                                                   max_seq_len=64))
+    attach_dense_copies(engine.model, dense_from=3)
     layers = [m for m in engine.model.layers.modules() if isinstance(m, TwoForms)]
     assert len(layers) == 4 * engine.model.config.num_layers  # qkv, o, gate_up and down
-    assert len({layer.dense_from for layer in layers}) == 1  # one switch, measured on the first block
     for layer in layers:
         assert isinstance(layer.codes, GroupLinear) and layer.dense.weight.dtype == torch.bfloat16
         x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
         # The copy is the codes' own weight: the same product, rounded at other points.
         torch.testing.assert_close(layer.dense(x).float(), layer.codes(x).float(), atol=0.02, rtol=0.02)
-        layer.dense_from = 3
         assert torch.equal(layer(x[:2]), layer.codes(x[:2])) and torch.equal(layer(x), layer.dense(x))
 
 
@@ -108,10 +107,8 @@ def test_a_dense_copy_is_the_dequantized_codes():
 def test_dense_copies_serve_the_same_greedy_tokens(model_dir):
     settings = dict(device="cpu", quantize="int4", max_batch_size=4, max_seq_len=64, seed=0)
     codes = Engine.from_pretrained(model_dir("gqa"), EngineConfig(**settings))
-    copies = Engine.from_pretrained(model_dir("gqa"), EngineConfig(dense_copies=True, **settings))
-    for layer in copies.model.layers.modules():
-        if isinstance(layer, TwoForms):
-            layer.dense_from = 1  # every product on the copies, prefill and decode
+    copies = Engine.from_pretrained(model_dir("gqa"), EngineConfig(**settings))
+    attach_dense_copies(copies.model, dense_from=1)  # every product on the copies, prefill and decode
     prompts = [[5, 9, 14, 2, 7], [3, 3, 8]]
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     with torch.inference_mode():
@@ -134,14 +131,14 @@ def test_decode_buckets_split_where_any_layer_switches_within_the_slots():
 def test_the_server_takes_dense_copies_and_counts_their_bytes(model_dir):
     with pytest.raises(ValueError, match="dense_copies must be on or off"):
         Settings(dense_copies="yes")
-    sizes = {}
+    sizes, copied = {}, {}
     for copies in ("off", "on"):
         with serve(model_dir("gqa"), dtype="bfloat16", quantize="int4", dense_copies=copies, max_seq_len=64) as server:
             info = httpx.get(f"{server.url}/info").json()
             reply = httpx.post(f"{server.url}/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 3}})
             assert reply.status_code == 200 and info["quantized"] is True
             sizes[copies] = info["weights_bytes"]
-    config = EngineConfig(device="cpu", quantize="int4", dense_copies=True, max_seq_len=64)
-    model = Engine.from_pretrained(model_dir("gqa"), config).model
-    copied = sum(m.dense.weight.numel() * 2 for m in model.layers.modules() if isinstance(m, TwoForms))  # bfloat16
-    assert sizes["on"] - sizes["off"] == copied
+            # Kept only where measured faster at some row count: this machine decides whether there are any.
+            copied[copies] = sum(m.dense.weight.numel() * 2 for m in server.runner.engine.model.layers.modules()
+                                 if isinstance(m, TwoForms))  # bfloat16
+    assert copied["off"] == 0 and sizes["on"] - sizes["off"] == copied["on"]
