@@ -12,8 +12,9 @@ import torch
 from bench import llama_cpp
 from bench.common import Timing, machine, machine_line, markdown_table, plot, timed, write_results
 from engine import Engine, EngineConfig, SamplingParams
-from engine.quantization import WeightOnlyLinear
 from engine.cpu_linear import CpuLinear
+from engine.packed_linear import PackedLinear
+from engine.quantization import WeightOnlyLinear
 from engine.two_forms import TwoForms
 from weights.checkpoint import transformers_files
 from weights.gguf_file import WEIGHTS_NAME, import_gguf
@@ -141,7 +142,7 @@ def reference_run(args, path: Path, prompts, long_prompt, new_tokens: int, repea
 def projections(model: torch.nn.Module, rows: int = 1) -> list[torch.nn.Module]:
     """Every matrix product of a decode step of `rows` sequences: the blocks' projections and the LM head, each
     in the form it takes for that many rows, whatever their kind."""
-    products = (torch.nn.Linear, CpuLinear, WeightOnlyLinear)
+    products = (torch.nn.Linear, CpuLinear, PackedLinear, WeightOnlyLinear)
 
     def found(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(module, TwoForms):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.device import cpu_has_native_bf16
+from engine.packed_linear import PackedLinear, packs_bfloat16
 
 WEIGHT_LEFT_MAX_ROWS = 128  # float32: W·xᵀ wins up to 128 rows here, x·Wᵀ from 256
 WEIGHT_LEFT_MIN_ELEMENTS = 1 << 17  # and from weights of 512 x 256: at 128 x 64, one row took 38 us vs 15
@@ -60,19 +61,32 @@ def float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def use_fastest_products(model: nn.Module) -> nn.Module:
-    """The model as an engine runs it: on the CPU its linear layers become CpuLinear; elsewhere unchanged."""
+    """The model as an engine runs it: on the CPU its linear layers become CpuLinear or PackedLinear; elsewhere
+    unchanged."""
     if model.embed_tokens.weight.device.type == "cpu":
-        use_cpu_products(model, widen_bfloat16=not cpu_has_native_bf16())
+        use_cpu_products(model, widen_bfloat16=not cpu_has_native_bf16(), pack_bfloat16=packs_bfloat16())
     return model
 
 
-def use_cpu_products(model: nn.Module, widen_bfloat16: bool) -> nn.Module:
-    """Every dense nn.Linear of the model becomes a CpuLinear, in place; tied weights stay tied.
+def use_cpu_products(model: nn.Module, widen_bfloat16: bool, pack_bfloat16: bool) -> nn.Module:
+    """Every dense nn.Linear of the model becomes a dense_linear, in place; a tied LM head stays tied (a CpuLinear
+    on the embedding itself: packing would copy it).
 
     Idempotent, and other kinds of layers (int4) are left as they are.
     """
+    embedding = model.embed_tokens.weight
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, CpuLinear(child.weight, child.bias, widen_bfloat16))
+                pack = pack_bfloat16 and child.weight is not embedding
+                setattr(parent, name, dense_linear(child.weight, child.bias, widen_bfloat16, pack))
     return model
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, widen_bfloat16: bool,
+                 pack_bfloat16: bool) -> nn.Module:
+    """The fastest dense form of a weight here: bfloat16 prepacked by oneDNN where it computes in bfloat16, else
+    CpuLinear."""
+    if pack_bfloat16 and weight.dtype == torch.bfloat16:
+        return PackedLinear(weight, bias)
+    return CpuLinear(weight, bias, widen_bfloat16)

@@ -21,8 +21,9 @@ import time
 import torch
 from torch import nn
 
-from engine.cpu_linear import CpuLinear
+from engine.cpu_linear import CpuLinear, dense_linear
 from engine.device import cpu_has_native_bf16
+from engine.packed_linear import PackedLinear, packs_bfloat16
 from engine.quantization import WeightOnlyLinear
 
 log = logging.getLogger("kvserve.two_forms")
@@ -58,7 +59,7 @@ def tie_quantized_head(model: nn.Module, max_rows: int) -> None:
     head, embedding = model.lm_head, model.embed_tokens.weight
     if not (model.config.tie_word_embeddings and isinstance(head, WeightOnlyLinear) and embedding.device.type == "cpu"):
         return
-    dense = CpuLinear(embedding, head.bias, widen_bfloat16=not cpu_has_native_bf16())
+    dense = CpuLinear(embedding, head.bias, widen_bfloat16=not cpu_has_native_bf16())  # unpacked: no copy
     timings = {rows: (seconds([head], rows), seconds([dense], rows)) for rows in row_counts(max_rows)}
     model.lm_head = TwoForms(head, dense, dense_from(timings))
     log.info("LM head: codes below %s rows, the dense embedding from there (ms codes/dense by rows: %s)",
@@ -99,9 +100,9 @@ def quantized_layers(model: nn.Module) -> list[tuple[int, nn.Module, str, Weight
             for name, child in parent.named_children() if isinstance(child, WeightOnlyLinear)]
 
 
-def dense_copy(layer: WeightOnlyLinear) -> CpuLinear:
-    return CpuLinear(nn.Parameter(dense_weight(layer), requires_grad=False), layer.bias,
-                     widen_bfloat16=not cpu_has_native_bf16())
+def dense_copy(layer: WeightOnlyLinear) -> nn.Module:
+    return dense_linear(nn.Parameter(dense_weight(layer), requires_grad=False), layer.bias,
+                        widen_bfloat16=not cpu_has_native_bf16(), pack_bfloat16=packs_bfloat16())
 
 
 @torch.inference_mode()
@@ -151,4 +152,4 @@ def seconds(layers: list[nn.Module], rows: int) -> float:
 
 def activation_dtype(layer: nn.Module) -> torch.dtype:
     """The dtype a layer's inputs are: its kernel's for codes, else its weight's."""
-    return layer.activation_dtype if isinstance(layer, WeightOnlyLinear) else layer.weight.dtype
+    return layer.activation_dtype if isinstance(layer, (WeightOnlyLinear, PackedLinear)) else layer.weight.dtype

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from engine.cpu_linear import CpuLinear, use_cpu_products
+from engine.packed_linear import PackedLinear, packs_bfloat16
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -36,6 +37,23 @@ def test_swapped_model_keeps_its_parameters(make_engine, model_dir):
     model = make_engine(model_dir("tied")).model  # an engine on the CPU has already swapped every projection
     assert not any(type(m) is nn.Linear for m in model.modules())
     head, keys = model.lm_head, set(model.state_dict())
-    use_cpu_products(model, widen_bfloat16=True)  # a second swap changes nothing
+    use_cpu_products(model, widen_bfloat16=True, pack_bfloat16=False)  # a second swap changes nothing
     assert model.lm_head is head and set(model.state_dict()) == keys
     assert model.lm_head.weight is model.embed_tokens.weight  # tied embeddings stay one tensor
+
+
+@pytest.mark.skipif(not packs_bfloat16(), reason="oneDNN has no native bfloat16 products on this CPU")
+@torch.inference_mode()
+def test_packed_linear_computes_the_dense_product_eager_and_compiled():
+    linear = nn.Linear(96, 160).to(torch.bfloat16)
+    packed = PackedLinear(linear.weight, linear.bias)
+    compiled = torch.compile(lambda x: packed(x) * 2, dynamic=True)
+    for rows in (1, 5, 64):
+        x = torch.randn(2, rows, 96, dtype=torch.bfloat16)
+        torch.testing.assert_close(packed(x).float(), linear(x).float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(compiled(x), packed(x) * 2)  # the custom op runs unchanged in a graph
+
+
+def test_packed_linear_takes_bfloat16_only():
+    with pytest.raises(ValueError, match="bfloat16"):
+        PackedLinear(torch.randn(4, 8), None)

@@ -12,7 +12,8 @@ from engine import Engine, EngineConfig
 from engine.cpu_linear import CpuLinear
 from engine.executor import batch_buckets
 from engine.model import build_model
-from engine.quantization import GroupCodes, GroupLinear, Int8Linear
+from engine.packed_linear import PackedLinear, packs_bfloat16
+from engine.quantization import GroupCodes, GroupLinear, Int8Linear, weights_bytes
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.two_forms import TwoForms, attach_dense_copies, dense_from, dense_weight, row_counts
@@ -91,7 +92,7 @@ def test_dense_copies_hold_the_weights_the_codes_compute_with(model_dir):
     layers = [m for m in engine.model.layers.modules() if isinstance(m, TwoForms)]
     assert len(layers) == 4 * engine.model.config.num_layers  # qkv, o, gate_up and down
     for layer in layers:
-        assert isinstance(layer.codes, GroupLinear) and layer.dense.weight.dtype == torch.bfloat16
+        assert isinstance(layer.codes, GroupLinear) and isinstance(layer.dense, PackedLinear if packs_bfloat16() else CpuLinear)
         x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
         # The copy is the codes' own weight: the same product, rounded at other points.
         torch.testing.assert_close(layer.dense(x).float(), layer.codes(x).float(), atol=0.02, rtol=0.02)
@@ -139,6 +140,6 @@ def test_the_server_takes_dense_copies_and_counts_their_bytes(model_dir):
             assert reply.status_code == 200 and info["quantized"] is True
             sizes[copies] = info["weights_bytes"]
             # Kept only where measured faster at some row count: this machine decides whether there are any.
-            copied[copies] = sum(m.dense.weight.numel() * 2 for m in server.runner.engine.model.layers.modules()
-                                 if isinstance(m, TwoForms))  # bfloat16
+            copied[copies] = sum(weights_bytes(m.dense) for m in server.runner.engine.model.layers.modules()
+                                 if isinstance(m, TwoForms))
     assert copied["off"] == 0 and sizes["on"] - sizes["off"] == copied["on"]
