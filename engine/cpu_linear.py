@@ -37,6 +37,10 @@ class CpuLinear(nn.Module):
     def in_features(self) -> int:
         return self.weight.shape[1]
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, m = self.weight, x.numel() // x.shape[-1]  # m rows of in features
         if weight.dtype == torch.float32 and weight.numel() >= WEIGHT_LEFT_MIN_ELEMENTS:

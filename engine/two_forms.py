@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.cpu_linear import CpuLinear, dense_linear
 from engine.device import cpu_has_native_bf16
-from engine.packed_linear import PackedLinear, packs_bfloat16
+from engine.packed_linear import packs_bfloat16
 from engine.quantization import WeightOnlyLinear
 
 log = logging.getLogger("kvserve.two_forms")
@@ -83,15 +83,20 @@ def keep_dense_copies(model: nn.Module, max_rows: int) -> None:
         log.info("no dense copies: the codes were faster at every row count (ms codes/dense of one block by rows: %s)",
                  described(timings))
         return
-    attach_dense_copies(model, switch)
+    attach_dense_copies(model, switch, made=dict(zip(map(id, first), copies)))
     log.info("dense copies of the quantized layers: codes below %d rows, the copies from there "
              "(ms codes/dense of one block by rows: %s)", switch, described(timings))
 
 
-def attach_dense_copies(model: nn.Module, dense_from: int) -> None:
-    """Every quantized layer of the blocks becomes TwoForms with a dense copy, switching at `dense_from` rows."""
+def attach_dense_copies(model: nn.Module, dense_from: int, made: dict[int, nn.Module] | None = None) -> None:
+    """Every quantized layer of the blocks becomes TwoForms with a dense copy, switching at `dense_from` rows.
+
+    made: copies already made, by id of their layer (the first block's, timed), reused rather than made again.
+    """
+    made = made or {}
     for _, parent, name, child in quantized_layers(model):
-        setattr(parent, name, TwoForms(child, dense_copy(child), dense_from))
+        copy = made[id(child)] if id(child) in made else dense_copy(child)
+        setattr(parent, name, TwoForms(child, copy, dense_from))
 
 
 def quantized_layers(model: nn.Module) -> list[tuple[int, nn.Module, str, WeightOnlyLinear]]:
@@ -135,7 +140,7 @@ def described(timings: dict[int, tuple[float, float]]) -> str:
 @torch.inference_mode()
 def seconds(layers: list[nn.Module], rows: int) -> float:
     """The median time of one product of `rows` rows through each of the layers in turn."""
-    inputs = [torch.randn(rows, layer.in_features, dtype=activation_dtype(layer)) for layer in layers]
+    inputs = [torch.randn(rows, layer.in_features, dtype=layer.activation_dtype) for layer in layers]
 
     def run() -> None:
         for layer, x in zip(layers, inputs):
@@ -150,6 +155,3 @@ def seconds(layers: list[nn.Module], rows: int) -> float:
     return statistics.median(calls)
 
 
-def activation_dtype(layer: nn.Module) -> torch.dtype:
-    """The dtype a layer's inputs are: its kernel's for codes, else its weight's."""
-    return layer.activation_dtype if isinstance(layer, (WeightOnlyLinear, PackedLinear)) else layer.weight.dtype
