@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.rope import apply_rope
+
+if TYPE_CHECKING:  # the batches attend through this module's functions
+    from engine.batch import DecodeBatch, PrefillBatch
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -27,6 +32,23 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         mask = mask.repeat(1, 1, groups, 1)  # (b|1, 1, g·s, t), same order as q's rows
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.view(b, h_q, s, d)
+
+
+def broadcast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """grouped_attention for one query per row, its two products written as broadcast multiply-and-sum.
+
+    Only for compiled graphs (eager, it would materialize (b, h_kv, g, t, d) products): inductor turns
+    each product into a loop of its own that reads k and v where they lie, so keys gathered by slot
+    index from the cache are read in place instead of copied first, and no extern call is made per layer.
+    q (b, h_q, 1, d); k, v (b, h_kv, t, d); mask (b, 1, 1, t) bool, True = may attend. In float32.
+    """
+    b, h_q, _, d = q.shape
+    h_kv = k.shape[1]
+    q = q.reshape(b, h_kv, h_q // h_kv, 1, d).float()  # (b, h_kv, g, 1, d): query head i reads K/V head i // g
+    scores = (q * k[:, :, None].float()).sum(-1) / math.sqrt(d)  # (b, h_kv, g, t)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # mask (b, 1, 1, t) broadcasts over heads
+    out = (weights[..., None] * v[:, :, None].float()).sum(-2)  # (b, h_kv, g, t, 1) * (b, h_kv, 1, t, d) -> (b, h_kv, g, d)
+    return out.to(v.dtype).view(b, h_q, 1, d)
 
 
 class Attention(nn.Module):
@@ -55,5 +77,5 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (b, h_q, s, d), (b, h_kv, s, d)
         v = heads[:, self.num_heads + self.num_kv_heads:]  # (b, h_kv, s, d)
         keys, values = batch.store(cache[0], cache[1], k, v)
-        out = grouped_attention(q, keys, values, batch.mask)  # (b, h_q, s, d)
+        out = batch.attend(q, keys, values)  # (b, h_q, s, d)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.q_size))  # (b, s, h_q·d) -> (b, s, hidden)

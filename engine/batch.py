@@ -10,6 +10,8 @@ from functools import cached_property
 
 import torch
 
+from engine.attention import grouped_attention
+
 
 def cache_rows(slots: list[int], slot_index: torch.Tensor) -> slice | torch.Tensor:
     """How to read these slots' rows of the cache: a view when they are one range, else a gathered copy."""
@@ -64,6 +66,9 @@ class PrefillBatch:
         rows = cache_rows(self.slots, self.slot_index)
         return keys[rows, :, : self.kv_len], values[rows, :, : self.kv_len]
 
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return grouped_attention(q, keys, values, self.mask)
+
 
 @dataclass
 class DecodeBatch:
@@ -98,3 +103,6 @@ class DecodeBatch:
         values[self.slot_index, :, self.positions[:, 0]] = v[:, :, 0]
         rows = cache_rows(self.slots, self.slot_index)
         return keys[rows, :, : self.kv_len], values[rows, :, : self.kv_len]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return grouped_attention(q, keys, values, self.mask)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import broadcast_attention
 from engine.batch import DecodeBatch
 from engine.kv_cache import KVCache
 from engine.model import Transformer
@@ -95,6 +96,10 @@ class GraphDecodeBatch:
         index = (torch.full_like(rows, entries.kind), torch.full_like(rows, entries.layer), rows, heads, self.positions)
         data.index_put_(index, new[:, :, 0])  # new (b, h_kv, 1, d) -> (b, h_kv, d) at each (slot, head, position)
         return data[entries.kind, entries.layer, :, :, : self.mask.shape[-1]][self.slot_index]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        # Broadcast form: the compiled graph reads keys and values in the cache rather than gathering them.
+        return broadcast_attention(q, keys, values, self.mask)
 
 
 class DecodeExecutor:
@@ -174,7 +179,9 @@ class DecodeExecutor:
         """The smallest and largest batch a bucket serves (None: no largest)."""
         smallest = self.buckets[bucket]
         following = [n for n in self.buckets.values() if n > smallest]
-        return smallest, following[0] - 1 if following else None
+        if following:
+            return smallest, following[0] - 1
+        return smallest, smallest if smallest == self.cache.slots else None
 
     def describe(self, bucket: str) -> str:
         """The batch sizes a bucket serves, in words."""
@@ -188,6 +195,6 @@ def batch_buckets(model: Transformer, slots: int) -> dict[str, int]:
     """Each decode bucket, named by the batch sizes it serves, by the smallest: one sequence, then larger batches,
     split wherever a layer changes form (TwoForms) at a batch the slots can hold."""
     switches = {m.dense_from for m in model.modules() if isinstance(m, TwoForms) and m.dense_from is not None}
-    starts = sorted({1, 2} | {n for n in switches if 2 < n <= slots})
-    ends = [n - 1 for n in starts[1:]] + [None]
+    starts = sorted({1} | {n for n in {2} | switches if 2 <= n <= slots})  # one slot: no batch larger than 1
+    ends = [n - 1 for n in starts[1:]] + [slots if starts[-1] == slots else None]
     return {str(a) if a == b else f"{a}+" if b is None else f"{a}-{b}": a for a, b in zip(starts, ends)}

@@ -58,4 +58,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
     Equals x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    half = x.shape[-1] // 2
+    # roll(x, d/2) as the two halves swapped: inductor reads each half as one vector, where roll's modular
+    # index made it load scalar by scalar.
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + swapped * signed_sin

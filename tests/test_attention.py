@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.attention import grouped_attention
+from engine.attention import broadcast_attention, grouped_attention
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
@@ -36,6 +36,18 @@ def test_grouped_attention_equals_repeated_heads():
     reference = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), is_causal=True)
     torch.testing.assert_close(ours, reference)
+
+
+def test_broadcast_attention_equals_grouped_attention_for_one_query_per_row():
+    # The compiled decode step's form: one query per row, each row its own filled length.
+    torch.manual_seed(0)
+    q = torch.randn(3, 6, 1, 16)
+    k, v = torch.randn(3, 2, 7, 16), torch.randn(3, 2, 7, 16)
+    mask = (torch.arange(7)[None, :] <= torch.tensor([[2], [6], [4]]))[:, None, None, :]  # (3, 1, 1, 7)
+    torch.testing.assert_close(broadcast_attention(q, k, v, mask), grouped_attention(q, k, v, mask))
+    # A key hidden by the mask changes nothing, however large.
+    k[0, :, 3:] = 1e4
+    torch.testing.assert_close(broadcast_attention(q, k, v, mask)[0], grouped_attention(q, k, v, mask)[0])
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -127,6 +127,7 @@ def test_decode_buckets_split_where_any_layer_switches_within_the_slots():
     assert batch_buckets(layers(3, 6), slots=8) == {"1": 1, "2": 2, "3-5": 3, "6+": 6}
     assert batch_buckets(layers(3, 6), slots=5) == {"1": 1, "2": 2, "3+": 3}  # a switch past the slots never happens
     assert batch_buckets(layers(1, 2), slots=8) == {"1": 1, "2+": 2}
+    assert batch_buckets(layers(None), slots=1) == {"1": 1}  # one slot never batches
 
 
 def test_the_server_takes_dense_copies_and_counts_their_bytes(model_dir):
