@@ -98,7 +98,8 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         slots = self._slots(model_config, max_seq_len)
-        tie_quantized_head(model, max_rows=slots)  # a quantized tied head: codes or the dense embedding, as measured
+        # A quantized tied head: codes or the dense embedding (with dense copies, a packed copy of it), as measured.
+        tie_quantized_head(model, max_rows=slots, copy=config.dense_copies)
         if config.dense_copies and self.device.type == "cpu":  # codes or a dense copy, as measured, up to a chunk
             keep_dense_copies(model, max_rows=max(slots, config.prefill_chunk_size))
         self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype)

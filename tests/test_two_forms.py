@@ -52,6 +52,21 @@ def test_a_quantized_tied_head_reads_the_embedding_for_its_dense_form(model_dir)
     torch.testing.assert_close(head.codes(x).float(), head.dense(x).float(), atol=0.05, rtol=0.05)
 
 
+@pytest.mark.skipif(not packs_bfloat16(), reason="oneDNN computes no bfloat16 products on this CPU")
+@torch.inference_mode()
+def test_with_dense_copies_a_tied_head_packs_a_copy_of_the_embedding(model_dir):
+    engine = Engine.from_pretrained(model_dir("tied"), EngineConfig(device="cpu", quantize="int8", max_batch_size=4,
+                                                                    max_seq_len=64, dense_copies=True))
+    head, embedding = engine.model.lm_head, engine.model.embed_tokens.weight
+    assert isinstance(head, TwoForms)
+    if head.dense_from is None:  # never faster here: no copy kept
+        assert head.dense.weight is embedding
+        return
+    assert isinstance(head.dense, PackedLinear)
+    x = torch.randn(3, embedding.shape[1], dtype=embedding.dtype)
+    torch.testing.assert_close(head.dense(x), torch.nn.functional.linear(x, embedding))
+
+
 @pytest.fixture(scope="module")
 def switching_model(model_dir):
     """The tied tiny model with an int8 head that switches to the dense embedding at 3 rows."""
