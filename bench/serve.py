@@ -130,7 +130,7 @@ def offline(args: argparse.Namespace, prompt: str, new_tokens: int, rows: int) -
 
     engine = Engine.from_pretrained(resolve_model(args.model), EngineConfig(
         dtype=args.dtype, max_batch_size=args.max_batch_size, prefix_caching=False, max_seq_len=1024,
-        quantize=args.quantize, compile=args.compile))
+        quantize=args.quantize, dense_copies=args.dense_copies == "on", compile=args.compile))
     engine.compile()  # as the server will decode
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompt], params)  # warm-up
