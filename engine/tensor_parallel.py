@@ -60,16 +60,13 @@ class Shard:
         per_rank = math.ceil(vocab_size / self.world)
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
-    def replicated_kv(self, config: ModelConfig) -> bool:
-        return config.num_kv_heads < self.world
-
 
 def shard_checkpoint(config: ModelConfig, state: dict[str, torch.Tensor], shard: Shard
                      ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The rank's part of a dense checkpoint: a config of its own head and MLP counts, and the tensors of its slices.
+    """The rank's part of a dense checkpoint: a config of its own heads, MLP width and vocabulary rows, and the
+    tensors of its slices, to build a model from (`parallelize` then gives it back the whole vocabulary).
 
-    The config keeps the full vocabulary (what the engine checks token ids against); the embedding and head
-    tensors are the rank's rows, padded with zeros to ceil(V/N).
+    The embedding and head tensors are the rank's rows, padded with zeros to ceil(V/N).
     """
     shard.check(config)
     if any(isinstance(t, GroupCodes) for t in state.values()):

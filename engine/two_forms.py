@@ -10,8 +10,8 @@ Two places have a dense form:
   the embedding itself, which stays dense for row lookups, so it costs no memory;
 - with `dense_copies`, every quantized layer of the blocks: a bfloat16 copy of its weight, for prefill
   and large batches, at the price of that copy's memory (four times int4 codes); the tied head's dense
-  form is then a copy too, prepacked where oneDNN computes in bfloat16 (2.3x faster at 16 rows on one
-  AVX512-BF16 CPU, bench/README.md).
+  form is then a copy too, prepacked where oneDNN computes in bfloat16 (the figures per machine are in
+  bench/README.md).
 """
 
 from __future__ import annotations
