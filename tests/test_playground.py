@@ -33,7 +33,8 @@ def browser(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with serve(model_dir("long"), max_seq_len=1024) as running:
+    # Room for a reply that outlasts several of the page's once-a-second views of the slots (the stop test).
+    with serve(model_dir("long"), max_seq_len=4096) as running:
         yield running
 
 
@@ -99,7 +100,7 @@ def test_send_shows_the_text_the_api_gives(browser, server):
 
 def test_stop_frees_the_slot_and_the_view_shows_it(browser, server):
     browser.get(f"{server.url}/")
-    send(browser, "Once upon a time", max_tokens=900)
+    send(browser, "Once upon a time", max_tokens=4000)
     busy = "return [...document.querySelectorAll('.slot')].filter(s => s.dataset.state === 'decode').length"
     wait(browser, lambda: browser.execute_script(busy) == 1)  # the slots view shows the request decoding
     from selenium.webdriver.common.by import By
