@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,tp}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -120,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     storm.add_argument("--dtype", default="auto")
     weights(storm)
     storm.add_argument("--compile", default="off", choices=["auto", "on", "off"])
+
+    tp = command("tp", help="tensor parallelism on this machine: a decode step at TP 2 vs TP 1, and its all-reduces")
+    tp.add_argument("--model", default=None, help="checkpoint, served dense (default: random weights of the default "
+                                                  "model's sizes, with heads that split over 2 ranks)")
+    tp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
     args = parser.parse_args(argv)
     if args.threads:

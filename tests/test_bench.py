@@ -111,3 +111,11 @@ def test_structured_bench_checks_every_sample_against_the_schema(tmp_path, model
     assert set(payload["per_token"]) == {"1", "4"}
     assert all(cost["free_ms_per_token"] > 0 and cost["constrained_ms_per_token"] > 0 for cost in payload["per_token"].values())
     assert payload["grammar_compile_s"] > 0 and payload["cache_hit_us_median"] >= 0
+
+
+def test_tp_times_two_ranks_against_one(tmp_path, tiny_dir):
+    bench(tmp_path, "tp", "--model", str(tiny_dir))
+    payload = json.loads((tmp_path / "tp.json").read_text())
+    assert payload["all_reduces_per_step"] == 2 * 2  # two per layer, the tiny model's two layers
+    assert payload["tp1_step_ms"] > 0 and payload["tp2_step_ms"] > 0 and payload["tp2_all_reduce_ms"] > 0
+    assert (tmp_path / "tp.md").is_file()
