@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -96,3 +97,10 @@ def plot(out: Path, name: str, title: str, xlabel: str, ylabel: str, series: dic
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

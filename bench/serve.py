@@ -7,7 +7,6 @@ import asyncio
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.common import machine, machine_line, markdown_table, plot, timed, write_results
+from bench.common import free_port, machine, machine_line, markdown_table, plot, timed, write_results
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -51,9 +50,7 @@ def scrape(client: httpx.Client) -> dict[str, float]:
 def local_server(args: argparse.Namespace, extra: list[str] = (), started: list | None = None):
     """`python -m server` on a free port, until the block ends, with `extra` flags last; yields its URL (and
     appends its process to `started`, when given)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "server", "--port", str(port), "--dtype", args.dtype,
                "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024", "--max-seq-len", "1024",
                "--compile", args.compile]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -21,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import machine, machine_line, markdown_table, write_results
+from bench.common import free_port, machine, machine_line, markdown_table, write_results
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ModelConfig
 from engine.model import Transformer, build_model
-from engine.tensor_parallel import Shard, parallelize, shard_checkpoint
+from engine.tensor_parallel import Shard, cpu_group, shard_model
 from engine.tokenizer import Tokenizer
 from weights.checkpoint import load_checkpoint
 
@@ -95,12 +94,9 @@ def step_times(engine: Engine, steps: int) -> float:
 def rank_main(rank: int, world: int, path: str | None, dtype: str, steps: int, port: int, out: str) -> None:
     """One rank: its shard of the dense checkpoint in an engine of its own, timed as rank 0 is."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with cpu_group(rank, world, port):
         config, state, tokenizer = checkpoint(path, dtype)
-        shard = Shard(rank, world)
-        model = parallelize(build_model(*shard_checkpoint(config, state, shard), torch.device("cpu")), config, shard)
-        engine = Engine(model, tokenizer, settings(dtype))
+        engine = Engine(shard_model(config, state, Shard(rank, world), torch.device("cpu")), tokenizer, settings(dtype))
         step_ms = step_times(engine, steps)
         vector, count, times = torch.zeros(1, config.hidden_size, dtype=getattr(torch, dtype)), 2 * config.num_layers, []
         for _ in range(steps):
@@ -111,15 +107,4 @@ def rank_main(rank: int, world: int, path: str | None, dtype: str, steps: int, p
         if rank == 0:
             Path(out, "rank.0.json").write_text(json.dumps(
                 {"step_ms": step_ms, "all_reduce_ms": statistics.median(times) * 1e3, "all_reduces": count}))
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    dist.destroy_process_group()
     os._exit(0)  # as tests/test_tensor_parallel.py: gloo's threads can abort an interpreter's teardown
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.model import Transformer, build_model
 from engine.quantization import GroupCodes
 
 
@@ -174,3 +177,23 @@ def parallelize(model: nn.Module, config: ModelConfig, shard: Shard, group: dist
         model.lm_head.inner.weight = model.embed_tokens.weight
     model.config = dataclasses.replace(model.config, vocab_size=config.vocab_size)
     return model
+
+
+def shard_model(config: ModelConfig, state: dict[str, torch.Tensor], shard: Shard, device: torch.device,
+                group: dist.ProcessGroup | None = None) -> Transformer:
+    """The rank's part of a dense checkpoint, built and made to compute the whole model's outputs with the group."""
+    return parallelize(build_model(*shard_checkpoint(config, state, shard), device), config, shard, group)
+
+
+@contextmanager
+def cpu_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """The default process group over gloo and TCP on this machine, for the block.
+
+    On leaving, a barrier first, so that no rank tears down its connections while another still uses them.
+    """
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

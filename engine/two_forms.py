@@ -66,12 +66,14 @@ def tie_quantized_head(model: nn.Module, max_rows: int, copy: bool = False) -> N
     head, embedding = model.lm_head, model.embed_tokens.weight
     if not (model.config.tie_word_embeddings and isinstance(head, WeightOnlyLinear) and embedding.device.type == "cpu"):
         return
-    itself = CpuLinear(embedding, head.bias, widen_bfloat16=not cpu_has_native_bf16())
-    packed = copy and packs_bfloat16() and embedding.dtype == torch.bfloat16
-    dense = PackedLinear(embedding.detach(), head.bias) if packed else itself
+    widen = not cpu_has_native_bf16()
+    dense = dense_linear(embedding, head.bias, widen, pack_bfloat16=copy and packs_bfloat16())  # packing copies
     timings = {rows: (seconds([head], rows), seconds([dense], rows)) for rows in row_counts(max_rows)}
     switch = dense_from(timings)
-    model.lm_head = TwoForms(head, dense if switch is not None else itself, switch)
+    packed = isinstance(dense, PackedLinear)
+    if switch is None and packed:  # a copy that never runs would only take memory
+        dense = CpuLinear(embedding, head.bias, widen)
+    model.lm_head = TwoForms(head, dense, switch)
     log.info("LM head: codes below %s rows, the %s from there (ms codes/dense by rows: %s)",
              switch or "any number of", "packed embedding" if packed else "embedding", described(timings))
 

@@ -52,12 +52,6 @@ def serve(model: Path, load=None, wait: bool = True, **settings):
         sock.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_subprocess(*args: str, env: dict | None = None,
                      program: tuple[str, ...] = ("-m", "server")) -> tuple[subprocess.Popen, list[str]]:
     """`python -m server ARGS` (or another `program` taking those ARGS); returns once it logs that the model is

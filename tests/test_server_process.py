@@ -9,7 +9,8 @@ import signal
 import httpx
 from httpx_sse import connect_sse
 
-from tests.server_harness import free_port, start_subprocess
+from bench.common import free_port
+from tests.server_harness import start_subprocess
 
 
 def test_cli_serves_then_exits_zero_on_sigterm_mid_stream(model_dir):

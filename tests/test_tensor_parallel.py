@@ -8,17 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from bench.common import free_port
 from engine import Engine, EngineConfig
 from engine.config import ModelConfig
-from engine.model import build_model
 from engine.sampling import SamplingParams
-from engine.tensor_parallel import Shard, shard_checkpoint, parallelize
+from engine.tensor_parallel import Shard, cpu_group, shard_model
 from engine.tokenizer import Tokenizer
-from tests.server_harness import free_port
 from weights.checkpoint import load_checkpoint
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was"]
@@ -29,22 +27,15 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 def run_rank(rank: int, world: int, path: str, port: int, out: str) -> None:
     """One rank: its shard of the checkpoint, in an engine of its own, running what every rank runs."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with cpu_group(rank, world, port):
         config, state = load_checkpoint(Path(path), torch.float32)
-        shard = Shard(rank, world)
-        model = parallelize(build_model(*shard_checkpoint(config, state, shard), torch.device("cpu")), config, shard)
+        model = shard_model(config, state, Shard(rank, world), torch.device("cpu"))
         engine = Engine(model, Tokenizer.from_dir(Path(path)), EngineConfig(**SETTINGS))
         logits = engine.prompt_logits(PROMPTS[1])
         tokens = [c.output_ids for c in engine.generate(PROMPTS, GREEDY)]
         save_file({"logits": logits.contiguous()}, f"{out}/logits.{rank}.safetensors")
         Path(f"{out}/rank.{rank}.json").write_text(json.dumps(
             {"tokens": tokens, "cache_bytes": engine.cache.capacity_bytes, "kv_heads": engine.cache.num_kv_heads}))
-        dist.barrier()  # neither rank tears down its connections while the other still uses them
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    dist.destroy_process_group()
     # Leave without finalizing the interpreter: gloo's worker threads may still hold tensors whose release
     # then aborts the process (SIGABRT, about one run in ten here; pytorch/pytorch pull request 179291 describes it).
     os._exit(0)
