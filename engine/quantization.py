@@ -1,10 +1,12 @@
 """Weight-only quantized products, for CPU decode.
 
-Two layouts, each run by one of torch's weight-only CPU kernels (activations stay in bfloat16):
-- groups (`GroupCodes`, `GroupLinear`): each group of 32 inputs of an output row keeps unsigned codes,
-  one scale and one minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks; 8-bit
-  codes are Q8_0's (shifted by 128). The int4 kernel runs both: an 8-bit code is two 4-bit halves,
-  16·high + low, served as two stacked output rows and summed.
+Two layouts (activations stay in bfloat16):
+- groups (`GroupCodes`): each group of 32 inputs of an output row keeps unsigned codes, one scale and one
+  minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks, run by torch's int4
+  kernel (`GroupLinear`); 8-bit codes are Q8_0's (shifted by 128), run by kvserve's own kernel
+  (`Codes8Linear`, engine/native), which reads each code once as a byte. Where that kernel cannot be
+  built, the int4 kernel runs them too: an 8-bit code is two 4-bit halves, 16·high + low, served as two
+  stacked output rows and summed (a quarter more bytes, and two unpackings).
 - rows (`Int8Linear`): each output row keeps 8-bit codes in [-127, 127] and one scale (int8pack).
 
 What a layer becomes (`quantized_linear`): codes stored by the checkpoint (a GGUF's blocks) are served
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from engine.native import load_kernels
 
 GROUP_SIZE = 32
 QUANTIZE_MODES = ("auto", "none", "int4", "int8")
@@ -128,6 +132,29 @@ class GroupLinear(WeightOnlyLinear):
         return y.view(-1, self.halves, self.out_features).sum(1)  # (tokens, 2, out): high and low halves -> (tokens, out)
 
 
+class Codes8Linear(WeightOnlyLinear):
+    """8-bit group codes through kvserve's own kernel (torch.ops.kvserve.codes8_product), in float32.
+
+    It keeps signed codes q - 128, so the minimum becomes minimum + 128·scale: zero for GGUF's Q8_0, whose
+    blocks are d·q. Scales and minimums are float16, as GGUF stores them (exact for its blocks).
+    """
+
+    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if weight.bits != 8:
+            raise ValueError(f"Codes8Linear serves 8-bit codes, got {weight.bits}-bit ones")
+        self.register_buffer("codes", (weight.codes.to(torch.int16) - 128).to(torch.int8))
+        self.register_buffer("scale", weight.scale.to(torch.float16))
+        self.register_buffer("minimum", (weight.minimum + 128 * weight.scale).to(torch.float16))
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        self.activation_dtype = dtype
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.kvserve.codes8_product(rows.float().contiguous(), self.codes, self.scale, self.minimum)
+        return y.to(self.activation_dtype)
+
+
 class Int8Linear(WeightOnlyLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -148,6 +175,8 @@ def quantized_linear(weight: torch.Tensor | GroupCodes, bias: torch.Tensor | Non
     """The module that serves one linear layer in `mode` (auto/int4/int8; "none" is resolved before), or None: dense."""
     bias = None if bias is None else bias.to(dtype)
     if isinstance(weight, GroupCodes):
+        if weight.bits == 8 and weight.codes.device.type == "cpu" and load_kernels() is None:
+            return Codes8Linear(weight, bias, torch.float32 if head else dtype)  # logits are float32 anyway
         return GroupLinear(weight, bias, dtype)
     if mode == "int8" or (mode == "int4" and head):
         return Int8Linear(weight, bias, dtype)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import platform
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +12,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.quantization import GroupCodes, GroupLinear, Int8Linear
+from engine.native import load_kernels, load_or_build
+from engine.quantization import Codes8Linear, GroupCodes, GroupLinear, Int8Linear
 from tests.test_gguf import write_minimal_gguf
 from weights.gguf_file import GGUFFile
 
@@ -31,6 +35,49 @@ def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qt
     expected = x.bfloat16().float() @ stored.t()
     # bfloat16 activations, scales and output: within a few bf16 roundings of the float32 product
     torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0.02)
+
+
+def test_our_kernels_build_on_this_machine():
+    if shutil.which("g++") is None or platform.machine() != "x86_64":
+        pytest.skip("kvserve's kernels are built by g++ for x86-64")
+    assert load_kernels() is None  # else every 8-bit layer silently takes the slower int4 halves
+
+
+def test_without_a_compiler_our_kernels_say_why(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert load_or_build() == "no C++ compiler"
+
+
+def eight_bit_codes(out_features: int, in_features: int) -> GroupCodes:
+    """Codes, scales and shifted minimums exact in float16, as GGUF's blocks are."""
+    groups = (out_features, in_features // 32)
+    scale = (torch.rand(groups) * 0.01 + 0.001).half().float()
+    minimum = (torch.randn(groups) * 0.05).half().float() - 128 * scale
+    return GroupCodes(torch.randint(0, 256, (out_features, in_features), dtype=torch.uint8), scale, minimum, bits=8)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_our_eight_bit_kernel_is_the_float32_product_of_the_codes(rows):
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    torch.manual_seed(0)
+    codes = eight_bit_codes(37, 96)  # 37 outputs: not a whole number of the kernel's tiles
+    x, bias = torch.randn(rows, 96), torch.randn(37)
+    with torch.inference_mode():
+        got = Codes8Linear(codes, bias, dtype=torch.float32)(x)
+    torch.testing.assert_close(got, x @ codes.dequantize().t() + bias, atol=1e-5, rtol=1e-5)
+
+
+def test_our_eight_bit_kernel_runs_inside_a_compiled_graph():
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    torch.manual_seed(0)
+    layer = Codes8Linear(eight_bit_codes(64, 64), None, dtype=torch.float32)
+    step = torch.compile(lambda v: torch.relu(layer(v)) * 2, fullgraph=True, dynamic=True)  # rows stay symbolic
+    with torch.inference_mode():
+        for rows in (2, 5):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(step(x), torch.relu(layer(x)) * 2)
 
 
 def test_eight_bit_codes_are_two_exact_four_bit_halves():
