@@ -22,7 +22,7 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger("kvserve.native")
 
-SOURCES = [Path(__file__).with_name("native") / "codes8_product.cpp"]
+SOURCES = [Path(__file__).with_name("native") / name for name in ("codes4_product.cpp", "codes8_product.cpp")]
 
 
 @functools.cache  # the ops register process-wide, once: a second build or load would only fail
@@ -73,13 +73,14 @@ def cpu_description() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
-def build(compiler: str, library: Path) -> None:
+def build(compiler: str, library: Path, arch: str = "native") -> None:
+    """The sources as one library at `library`, for -march=`arch` (tests build other targets than this CPU)."""
     library.parent.mkdir(parents=True, exist_ok=True)
     include = [f"-I{path}" for path in cpp_extension.include_paths()]
     (torch_lib,) = cpp_extension.library_paths()
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         partial = Path(scratch) / library.name  # renamed into place whole: processes that build at once don't clash
-        command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp",
+        command = [compiler, "-O3", f"-march={arch}", "-shared", "-fPIC", "-std=c++20", "-fopenmp",
                    f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", *include,
                    *map(str, SOURCES), f"-L{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu",
                    f"-Wl,-rpath,{torch_lib}", "-o", str(partial)]

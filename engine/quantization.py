@@ -2,11 +2,12 @@
 
 Two layouts (activations stay in bfloat16):
 - groups (`GroupCodes`): each group of 32 inputs of an output row keeps unsigned codes, one scale and one
-  minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks, run by torch's int4
-  kernel (`GroupLinear`); 8-bit codes are Q8_0's (shifted by 128), run by kvserve's own kernel
-  (`Codes8Linear`, engine/native), which reads each code once as a byte. Where that kernel cannot be
-  built, the int4 kernel runs them too: an 8-bit code is two 4-bit halves, 16·high + low, served as two
-  stacked output rows and summed (a quarter more bytes, and two unpackings).
+  minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks, 8-bit codes Q8_0's
+  (shifted by 128). kvserve's own kernels (engine/native) run them where they build: 4-bit codes as
+  integer dot products with the inputs quantized to 8 bits per group, as llama.cpp does (`Codes4Linear`),
+  8-bit codes in float32, each code read once as a byte (`Codes8Linear`). Elsewhere torch's int4 kernel
+  runs both (`GroupLinear`): an 8-bit code is two 4-bit halves, 16·high + low, served as two stacked
+  output rows and summed.
 - rows (`Int8Linear`): each output row keeps 8-bit codes in [-127, 127] and one scale (int8pack).
 
 What a layer becomes (`quantized_linear`): codes stored by the checkpoint (a GGUF's blocks) are served
@@ -132,6 +133,37 @@ class GroupLinear(WeightOnlyLinear):
         return y.view(-1, self.halves, self.out_features).sum(1)  # (tokens, 2, out): high and low halves -> (tokens, out)
 
 
+class Codes4Linear(WeightOnlyLinear):
+    """4-bit group codes through kvserve's own kernel (torch.ops.kvserve.codes4_product), in tiles of 16 rows.
+
+    The rows are padded to whole tiles with zero codes and scales; the kernel returns only `out_features`.
+    """
+
+    TILE = 16
+
+    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if weight.bits != 4:
+            raise ValueError(f"Codes4Linear serves 4-bit codes, got {weight.bits}-bit ones")
+        self.out_features, self.in_features = weight.shape
+        pad = -self.out_features % self.TILE
+        codes, scale, minimum = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (weight.codes, weight.scale, weight.minimum))
+        tiles, groups = codes.shape[0] // self.TILE, self.in_features // GROUP_SIZE
+        q = codes.view(tiles, self.TILE, groups, 4, 2, 4)  # (tile, row, group, run k, nibble, input 8k + 4·nibble + i)
+        q = q.permute(0, 2, 3, 1, 5, 4)  # (tile, group, run, row, input, nibble): the kernel's byte order
+        self.register_buffer("packed", (q[..., 0] | q[..., 1] << 4).reshape(tiles, -1).contiguous())
+        per_tile = lambda t: t.view(tiles, self.TILE, groups).transpose(1, 2).contiguous().to(torch.float16)  # (tile, group, row)
+        self.register_buffer("scale", per_tile(scale))
+        self.register_buffer("minimum", per_tile(minimum))
+        self.bias = bias
+        self.activation_dtype = dtype
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.kvserve.codes4_product(rows.float().contiguous(), self.packed, self.scale, self.minimum,
+                                             self.out_features)
+        return y.to(self.activation_dtype)
+
+
 class Codes8Linear(WeightOnlyLinear):
     """8-bit group codes through kvserve's own kernel (torch.ops.kvserve.codes8_product), in float32.
 
@@ -175,14 +207,20 @@ def quantized_linear(weight: torch.Tensor | GroupCodes, bias: torch.Tensor | Non
     """The module that serves one linear layer in `mode` (auto/int4/int8; "none" is resolved before), or None: dense."""
     bias = None if bias is None else bias.to(dtype)
     if isinstance(weight, GroupCodes):
-        if weight.bits == 8 and weight.codes.device.type == "cpu" and load_kernels() is None:
-            return Codes8Linear(weight, bias, torch.float32 if head else dtype)  # logits are float32 anyway
-        return GroupLinear(weight, bias, dtype)
+        kind = group_layer(weight.bits, weight.codes.device)
+        return kind(weight, bias, torch.float32 if head and kind is not GroupLinear else dtype)  # logits are float32
     if mode == "int8" or (mode == "int4" and head):
         return Int8Linear(weight, bias, dtype)
     if mode == "int4":
-        return GroupLinear(GroupCodes.fit(weight, 4), bias, dtype)
+        return quantized_linear(GroupCodes.fit(weight, 4), bias, mode, head, dtype)
     return None  # auto: float weights stay dense
+
+
+def group_layer(bits: int, device: torch.device) -> type[WeightOnlyLinear]:
+    """The layer that serves group codes of `bits` on `device`: kvserve's kernels where they build, else torch's."""
+    if device.type == "cpu" and load_kernels() is None:
+        return Codes8Linear if bits == 8 else Codes4Linear
+    return GroupLinear
 
 
 def weights_bytes(model: nn.Module) -> int:

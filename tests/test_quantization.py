@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import platform
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,8 +14,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.native import load_kernels, load_or_build
-from engine.quantization import Codes8Linear, GroupCodes, GroupLinear, Int8Linear
+from engine.native import cpu_description, load_kernels, load_or_build
+from engine.quantization import Codes4Linear, Codes8Linear, GroupCodes, GroupLinear, Int8Linear, group_layer
 from tests.test_gguf import write_minimal_gguf
 from weights.gguf_file import GGUFFile
 
@@ -30,17 +32,45 @@ def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qt
     assert codes.bits == (8 if qtype == GGMLQuantizationType.Q8_0 else 4)
     torch.testing.assert_close(codes.dequantize(), stored, atol=1e-6, rtol=1e-5)
     x = torch.randn(5, 96)
+    expected = x.bfloat16().float() @ stored.t()
     with torch.inference_mode():
         got = GroupLinear(codes, bias=None)(x.bfloat16()).float()
-    expected = x.bfloat16().float() @ stored.t()
+        ours = group_layer(codes.bits, torch.device("cpu"))(codes, None, torch.float32)(x)
     # bfloat16 activations, scales and output: within a few bf16 roundings of the float32 product
     torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0.02)
+    # ours: 8-bit codes in float32; 4-bit codes times the inputs quantized to 8 bits per group of 32
+    torch.testing.assert_close(ours, x @ stored.t(), atol=0.02 * expected.abs().max().item(), rtol=0.02)
 
 
 def test_our_kernels_build_on_this_machine():
     if shutil.which("g++") is None or platform.machine() != "x86_64":
         pytest.skip("kvserve's kernels are built by g++ for x86-64")
     assert load_kernels() is None  # else every 8-bit layer silently takes the slower int4 halves
+
+
+def test_our_kernels_also_build_and_compute_for_avx2_alone(tmp_path):
+    """This machine's build may take the AVX-512 paths; the AVX2 ones (Zen 3) are built for haswell and run here,
+    in a process of their own: the ops register once per process."""
+    if shutil.which("g++") is None or platform.machine() != "x86_64" or "avx2" not in cpu_description():
+        pytest.skip("needs g++ and an x86-64 CPU with AVX2")
+    script = f"""
+from pathlib import Path
+import torch
+from engine.native import build
+from engine.quantization import Codes4Linear, Codes8Linear, GroupCodes
+from tests.test_quantization import eight_bit_codes
+build("g++", Path({str(tmp_path / "haswell.so")!r}), arch="haswell")
+torch.ops.load_library({str(tmp_path / "haswell.so")!r})
+torch.manual_seed(0)
+x = torch.randn(5, 96)
+for codes, kind in ((GroupCodes.fit(torch.randn(37, 96), 4), Codes4Linear), (eight_bit_codes(37, 96), Codes8Linear)):
+    exact = x @ codes.dequantize().t()
+    print(kind.__name__, ((kind(codes, None, torch.float32)(x) - exact).norm() / exact.norm()).item())
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    errors = dict(line.split() for line in result.stdout.splitlines())
+    assert float(errors["Codes4Linear"]) < 0.01 and float(errors["Codes8Linear"]) < 1e-5
 
 
 def test_without_a_compiler_our_kernels_say_why(monkeypatch):
@@ -68,11 +98,31 @@ def test_our_eight_bit_kernel_is_the_float32_product_of_the_codes(rows):
     torch.testing.assert_close(got, x @ codes.dequantize().t() + bias, atol=1e-5, rtol=1e-5)
 
 
-def test_our_eight_bit_kernel_runs_inside_a_compiled_graph():
+@pytest.mark.parametrize("rows", [1, 4, 7, 40])
+def test_our_four_bit_kernel_is_the_product_with_inputs_quantized_per_group(rows):
     if load_kernels() is not None:
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
     torch.manual_seed(0)
-    layer = Codes8Linear(eight_bit_codes(64, 64), None, dtype=torch.float32)
+    fitted = GroupCodes.fit(torch.randn(37, 96) * 0.05 + 0.02, bits=4)  # 37 outputs: the last tile padded
+    codes = GroupCodes(fitted.codes, fitted.scale.half().float(), fitted.minimum.half().float(), 4)  # as GGUF holds them
+    x, bias = torch.randn(rows, 96), torch.randn(37)
+    with torch.inference_mode():
+        got = Codes4Linear(codes, bias, dtype=torch.float32)(x)
+    exact = x @ codes.dequantize().t()
+    assert got.shape == (rows, 37)
+    # 8-bit inputs against centred 4-bit codes: about 0.5% of the product, as llama.cpp's Q4 x Q8 dot products
+    assert ((got - bias - exact).norm() / exact.norm()).item() < 0.01
+    torch.testing.assert_close(Codes4Linear(codes, bias, dtype=torch.float32)(torch.eye(96)) - bias,
+                               codes.dequantize().t(), atol=1e-5, rtol=1e-5)  # one-hot inputs quantize exactly
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_our_kernels_run_inside_a_compiled_graph(bits):
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    torch.manual_seed(0)
+    codes = eight_bit_codes(64, 64) if bits == 8 else GroupCodes.fit(torch.randn(64, 64), bits=4)
+    layer = group_layer(bits, torch.device("cpu"))(codes, None, dtype=torch.float32)
     step = torch.compile(lambda v: torch.relu(layer(v)) * 2, fullgraph=True, dynamic=True)  # rows stay symbolic
     with torch.inference_mode():
         for rows in (2, 5):
@@ -117,8 +167,9 @@ def test_int8_is_exact_for_weights_on_a_per_row_grid():
     torch.testing.assert_close(got, x @ weight.t() + bias, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind,layer", [("int4", GroupLinear), ("int8", Int8Linear)])
-def test_quantized_engine_stays_close_to_dense(tiny_dir, kind, layer):
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_engine_stays_close_to_dense(tiny_dir, kind):
+    layer = group_layer(4, torch.device("cpu")) if kind == "int4" else Int8Linear
     settings = dict(device="cpu", max_batch_size=2, max_seq_len=128)
     dense = Engine.from_pretrained(tiny_dir, EngineConfig(dtype="bfloat16", **settings))
     quantized = Engine.from_pretrained(tiny_dir, EngineConfig(quantize=kind, **settings))

@@ -13,7 +13,7 @@ from engine.cpu_linear import CpuLinear
 from engine.executor import batch_buckets
 from engine.model import build_model
 from engine.packed_linear import PackedLinear, packs_bfloat16
-from engine.quantization import GroupCodes, GroupLinear, Int8Linear, weights_bytes
+from engine.quantization import GroupCodes, GroupLinear, Int8Linear, group_layer, weights_bytes
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.two_forms import TwoForms, attach_dense_copies, dense_from, dense_weight, row_counts
@@ -107,7 +107,8 @@ def test_dense_copies_hold_the_weights_the_codes_compute_with(model_dir):
     layers = [m for m in engine.model.layers.modules() if isinstance(m, TwoForms)]
     assert len(layers) == 4 * engine.model.config.num_layers  # qkv, o, gate_up and down
     for layer in layers:
-        assert isinstance(layer.codes, GroupLinear) and isinstance(layer.dense, PackedLinear if packs_bfloat16() else CpuLinear)
+        assert isinstance(layer.codes, group_layer(4, torch.device("cpu")))
+        assert isinstance(layer.dense, PackedLinear if packs_bfloat16() else CpuLinear)
         x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
         # The copy is the codes' own weight: the same product, rounded at other points.
         torch.testing.assert_close(layer.dense(x).float(), layer.codes(x).float(), atol=0.02, rtol=0.02)
@@ -120,17 +121,21 @@ def test_a_dense_copy_is_the_dequantized_codes():
     torch.testing.assert_close(dense_weight(layer), codes.dequantize(), atol=1e-5, rtol=1e-5)
 
 
-def test_dense_copies_serve_the_same_greedy_tokens(model_dir):
+def test_dense_copies_serve_the_same_answers(model_dir):
     settings = dict(device="cpu", quantize="int4", max_batch_size=4, max_seq_len=64, seed=0)
     codes = Engine.from_pretrained(model_dir("gqa"), EngineConfig(**settings))
     copies = Engine.from_pretrained(model_dir("gqa"), EngineConfig(**settings))
     attach_dense_copies(copies.model, dense_from=1)  # every product on the copies, prefill and decode
     prompts = [[5, 9, 14, 2, 7], [3, 3, 8]]
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-    with torch.inference_mode():
-        torch.testing.assert_close(copies.prompt_logits(prompts[0]), codes.prompt_logits(prompts[0]), atol=0.05,
-                                   rtol=0.05)
-    assert [c.output_ids for c in copies.generate(prompts, params)] == [c.output_ids for c in codes.generate(prompts, params)]
+    # Along each greedy answer of the copies, the codes see the same next-token distributions. (Not token for
+    # token: kvserve's 4-bit kernel quantizes its inputs to 8 bits, so near-ties of a random model may flip.)
+    for prompt, answer in zip(prompts, copies.generate(prompts, params)):
+        sequence = prompt + answer.output_ids[:-1]
+        with torch.inference_mode():
+            dense, coded = copies.prompt_logits(sequence).log_softmax(-1), codes.prompt_logits(sequence).log_softmax(-1)
+        kl = torch.nn.functional.kl_div(coded, dense, log_target=True, reduction="none").sum(-1)  # per position
+        assert kl.max().item() < 1e-3
 
 
 def test_decode_buckets_split_where_any_layer_switches_within_the_slots():
