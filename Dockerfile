@@ -10,6 +10,10 @@ ENV PYTHONUNBUFFERED=1 \
     KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000
 
+# g++: kvserve builds its quantized kernels for the CPU it runs on, and inductor compiles the decode step, both at
+# load (cached under $KVSERVE_HOME). Without it the server still runs, on torch's kernels, eagerly.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 kvserve && mkdir -p /models /app && chown kvserve /models /app
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
         markdown_table(["", "batch-1 decode ms/token", "batch-8 total tokens/s", f"prefill {prefill_tokens} tokens ms"], rows), "",
         f"Decode step at context 128: {capacity['ms_512']:.1f} ms with max_seq_len 512, {capacity['ms_8192']:.1f} ms "
         f"with max_seq_len 8192 (ratio {capacity['ratio']:.2f}; attention reads only the filled positions).", "",
-        f"The step's matrix products alone (every linear layer once at batch 1, kvserve's weights and torch's "
+        f"The step's matrix products alone (every linear layer once at batch 1, kvserve's weights and "
         f"kernels, nothing else): {floor.ms()} ms, {weight_bytes(ours.model) / floor.median / 1e9:.1f} GB/s of "
         f"weights. No implementation calling these kernels decodes faster, so at most "
         f"{ratios['ceiling_vs_transformers']:.2f}x transformers' batch-1 decode here.",
@@ -164,12 +164,13 @@ def matmul_floor(model: torch.nn.Module, repeats: int, rows: int = 1) -> Timing:
     these kernels."""
     dtype = model.embed_tokens.weight.dtype
     layers = projections(model, rows)
-    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in layers}
+    kinds = {(m.in_features, getattr(m, "compute_dtype", dtype)) for m in layers}  # inputs as each kernel takes them
+    inputs = {(n, kind): torch.randn(rows, n, dtype=kind) for n, kind in kinds}
 
     @torch.inference_mode()
     def products():
         for m in layers:
-            m(inputs[m.in_features])
+            m(inputs[m.in_features, getattr(m, "compute_dtype", dtype)])
 
     return timed(products, 5 if repeats == 1 else repeats * 5, warmup=2)
 

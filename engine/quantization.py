@@ -97,7 +97,13 @@ class WeightOnlyLinear(nn.Module):
     bias: torch.Tensor | None
     in_features: int
     out_features: int
-    activation_dtype: torch.dtype  # what the kernel takes and returns
+    activation_dtype: torch.dtype  # what the layer takes and returns
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What the kernel itself takes: inputs in another dtype are converted first (in a compiled graph, by the
+        kernel that made them)."""
+        return self.activation_dtype
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (tokens, in) -> (tokens, out), without the bias."""
@@ -139,7 +145,8 @@ class Codes4Linear(WeightOnlyLinear):
     The rows are padded to whole tiles with zero codes and scales; the kernel returns only `out_features`.
     """
 
-    TILE = 16
+    compute_dtype = torch.float32
+    TILE = 16  # output rows per tile
 
     def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -170,6 +177,8 @@ class Codes8Linear(WeightOnlyLinear):
     It keeps signed codes q - 128, so the minimum becomes minimum + 128·scale: zero for GGUF's Q8_0, whose
     blocks are d·q. Scales and minimums are float16, as GGUF stores them (exact for its blocks).
     """
+
+    compute_dtype = torch.float32
 
     def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
