@@ -149,6 +149,11 @@ class Engine:
         return weights_bytes(self.model)
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model is split over; this engine holds one of them (its cache: h_kv/N heads)."""
+        return 1
+
+    @property
     def quantized(self) -> bool:
         """Whether any product runs on quantized weights."""
         return any(isinstance(m, WeightOnlyLinear) for m in self.model.modules())
@@ -222,6 +227,10 @@ class Engine:
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
                 f"{prompt_tokens + max_new_tokens} exceeds the context length max_seq_len = {self.max_seq_len}"
             )
+
+    def close(self) -> None:
+        """Release what the engine holds beyond its memory; nothing here (a tensor-parallel leader stops its
+        workers)."""
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its slot is free for the next step. False if it had already finished."""

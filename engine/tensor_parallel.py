@@ -11,7 +11,10 @@ Each rank holds a slice of every block and runs every step on it:
 
 Every rank runs the same engine on the same inputs (the scheduler's decisions are deterministic given
 them), so the collectives line up without a coordinator; what decides the inputs is the caller's (gpt-fast
-runs its tensor parallelism the same way).
+runs its tensor parallelism the same way; the server sends rank 0's calls to the others, server/tensor_parallel).
+
+A collective that fails (a peer died, or it timed out) raises `PeerLost`, a BaseException: the engine's
+per-request isolation catches Exceptions and would go on, but ranks out of step cannot.
 """
 
 from __future__ import annotations
@@ -28,8 +31,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.device import resolve_device, resolve_dtype
 from engine.model import Transformer, build_model
 from engine.quantization import GroupCodes
+from engine.tokenizer import Tokenizer
+
+
+class PeerLost(BaseException):
+    """A collective failed: another rank is gone or stuck, and this one cannot go on alone."""
+
+
+def collective(operation, *args, **kwargs) -> None:
+    """Run one torch.distributed collective; its failure becomes PeerLost."""
+    try:
+        operation(*args, **kwargs)
+    except RuntimeError as error:  # gloo: connection closed or reset by a dead peer, or the group's timeout
+        raise PeerLost(f"a tensor-parallel collective failed ({operation.__name__}): {error}") from error
 
 
 @dataclass(frozen=True)
@@ -123,7 +140,7 @@ class AllReduced(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
-        dist.all_reduce(y, group=self.group)
+        collective(dist.all_reduce, y, group=self.group)
         return y
 
 
@@ -140,7 +157,7 @@ class VocabParallelEmbedding(nn.Module):
         local = tokens - self.first
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None]  # (..., hidden)
-        dist.all_reduce(out, group=self.group)
+        collective(dist.all_reduce, out, group=self.group)
         return out
 
 
@@ -157,7 +174,7 @@ class VocabParallelHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = self.inner(x).contiguous()  # (..., ceil(V/N))
         parts = [torch.empty_like(part) for _ in range(self.world)]
-        dist.all_gather(parts, part, group=self.group)
+        collective(dist.all_gather, parts, part, group=self.group)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # (..., V)
 
 
@@ -183,6 +200,16 @@ def shard_model(config: ModelConfig, state: dict[str, torch.Tensor], shard: Shar
                 group: dist.ProcessGroup | None = None) -> Transformer:
     """The rank's part of a dense checkpoint, built and made to compute the whole model's outputs with the group."""
     return parallelize(build_model(*shard_checkpoint(config, state, shard), device), config, shard, group)
+
+
+def load_shard(path, device: str, dtype: str, shard: Shard, group: dist.ProcessGroup | None = None
+               ) -> tuple[Transformer, Tokenizer]:
+    """The rank's part of the checkpoint at `path` (dense: quantized matrices are dequantized), with its tokenizer."""
+    from weights.checkpoint import load_checkpoint  # weights builds on engine: imported when used, not at import
+
+    resolved = resolve_device(device)
+    config, state = load_checkpoint(path, resolve_dtype(dtype, resolved), codes=False)
+    return shard_model(config, state, shard, resolved, group), Tokenizer.from_dir(path)
 
 
 @contextmanager

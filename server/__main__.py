@@ -13,8 +13,10 @@ import uvicorn
 
 from engine import Engine
 from server.app import create_app
+from server import tensor_parallel
 from server.runner import EngineRunner
 from server.settings import Settings, parse
+from server.tensor_parallel import Workers
 
 
 class Server(uvicorn.Server):
@@ -24,6 +26,7 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.runner = runner
         self.children: list[subprocess.Popen] = []  # a compile-cache warmer, ended with the server
+        self.workers: Workers | None = None  # tensor-parallel ranks 1.. on this machine, ended with the server
 
     def handle_exit(self, sig, frame) -> None:
         # Open streams end now with an error event, rather than hold the shutdown until they finish.
@@ -47,7 +50,16 @@ def build(settings: Settings, argv: list[str] | None = None) -> Server:
 
         path = resolve_model(settings.model)
         logging.getLogger("kvserve").info("loading %s", path)
-        return Engine.from_pretrained(path, settings.engine_config())
+        if settings.tensor_parallel_size == 1:
+            return Engine.from_pretrained(path, settings.engine_config())
+        engine, server.workers = tensor_parallel.start(settings, str(path), on_worker_exit)
+        return engine
+
+    def on_worker_exit(message: str) -> None:
+        if server.should_exit:  # shutting down: the workers were told to stop
+            logging.getLogger("kvserve").info(message)
+        else:  # the group is broken: fail now (503, open streams end), exit 1 for a supervisor to restart
+            runner.fail(message)
 
     def stop() -> None:  # a server without a model, or without its engine loop, serves nobody: exit 1
         server.should_exit = True
@@ -78,11 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     # Inductor's generated code survives restarts under KVSERVE_HOME (a compile takes minutes on 2 cores).
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kvserve_home() / "compiled"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.node_rank > 0:  # another machine's tensor-parallel ranks: no HTTP here
+        from weights.resolve import resolve_model
+
+        return tensor_parallel.run_node(settings, str(resolve_model(settings.model)))
     server = build(settings, argv)
     server.run()
     for child in server.children:
         child.kill()
-    return 1 if server.runner.failure else 0
+    code = 1 if server.runner.failure else 0
+    if server.workers is not None:
+        server.workers.kill()  # those still running: stopped ones have exited already
+        logging.shutdown()
+        os._exit(code)  # gloo's teardown at interpreter exit can abort (and turn 0 into 134)
+    return code
 
 
 if __name__ == "__main__":

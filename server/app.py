@@ -73,6 +73,9 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
                          "B": cache.slots, "L": cache.num_layers, "T": cache.max_seq_len, "h_kv": cache.num_kv_heads,
                          "d_h": cache.head_dim, "itemsize": cache.data.element_size(),
                          "h_q": config.num_heads, "mha_capacity_bytes": cache.mha_capacity_bytes},
+            # Each rank's cache holds its own K/V heads (h_kv above is per rank); every rank's is the same size.
+            "tensor_parallel": {"size": engine.tensor_parallel_size, "kv_cache_bytes_per_rank": cache.capacity_bytes,
+                                "kv_cache_bytes_total": engine.tensor_parallel_size * cache.capacity_bytes},
         }
 
     @app.get("/slots")

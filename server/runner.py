@@ -199,7 +199,7 @@ class EngineRunner:
             self.engine = self._load()
             self.weights_bytes = self.engine.weights_bytes  # fixed once loaded: counted here, not per step
         except Exception as e:  # reported by /health and every request, never a crash
-            self._fail(f"the model failed to load: {type(e).__name__}: {e}")
+            self.fail(f"the model failed to load: {type(e).__name__}: {e}")
             return
         self._update_snapshot()
         self._ready.set()
@@ -207,11 +207,12 @@ class EngineRunner:
         threading.Thread(target=self._compile, name="kvserve-compile", daemon=True).start()
         try:
             self._serve()
-        except BaseException as e:  # a bug outside a step: nothing would serve the requests it accepts
+            self.engine.close()
+        except BaseException as e:  # a bug outside a step, or a lost tensor-parallel rank: nothing would serve
             log.critical("the engine loop stopped:\n%s", traceback.format_exc())
-            self._fail(f"the engine loop stopped: {type(e).__name__}: {e}")
+            self.fail(f"the engine loop stopped: {type(e).__name__}: {e}")
 
-    def _fail(self, message: str) -> None:
+    def fail(self, message: str) -> None:
         """From now on /health is 503 and requests are refused; open streams end with `message`; the owner
         is told (the server exits non-zero, so a supervisor restarts it)."""
         self.failure = message

@@ -34,6 +34,12 @@ class Settings:
     max_queue_wait: float = 0  # seconds; 0: none
     tool_call_parser: str = "auto"
     ui: str = "on"
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 on one machine: the ranks meet through a file instead
+    collective_timeout: float = 60.0  # seconds
 
     def __post_init__(self) -> None:
         if self.prefix_caching not in ("on", "off"):
@@ -50,6 +56,22 @@ class Settings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be >= 1 and a multiple of "
+                             f"nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("several nodes meet at --master-addr:--master-port: give --master-port")
+        if self.collective_timeout <= 0:
+            raise ValueError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
+        if self.tensor_parallel_size > 1 and self.quantize in ("int4", "int8"):
+            raise ValueError(f"tensor parallelism serves dense weights so far; --quantize {self.quantize} is not "
+                             "supported with --tensor-parallel-size > 1")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def model_spec(self) -> str:
@@ -99,6 +121,15 @@ FLAGS = [
     ("ui", str, "on or off: GET / in a browser serves the playground (chat, tokens, the KV cache's slots live)"),
     ("tool_call_parser", str, "auto, hermes or llama3: how the model writes tool calls (<tool_call> blocks, or "
                               "Llama 3's bare JSON); auto reads it from the chat template"),
+    ("tensor_parallel_size", int, "split the model over N processes (torch.distributed, gloo): heads, MLP and "
+                                  "vocabulary; each holds 1/N of the weights and of the KV cache (dense weights, "
+                                  "eager decode so far)"),
+    ("nnodes", int, "machines the tensor-parallel ranks span (each runs tensor_parallel_size / nnodes of them)"),
+    ("node_rank", int, "this machine's place among --nnodes: 0 serves HTTP, the others run workers only"),
+    ("master_addr", str, "address of node 0, where the ranks meet (several nodes)"),
+    ("master_port", int, "port on node 0 where the ranks meet; 0 on one machine: they meet through a file"),
+    ("collective_timeout", float, "seconds a tensor-parallel collective may wait for a peer before the server "
+                                  "fails (a stuck worker); a dead one fails it at once"),
 ]
 
 

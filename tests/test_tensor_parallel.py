@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -17,6 +21,8 @@ from engine.config import ModelConfig
 from engine.sampling import SamplingParams
 from engine.tensor_parallel import Shard, cpu_group, shard_model
 from engine.tokenizer import Tokenizer
+from httpx_sse import connect_sse
+from tests.server_harness import start_subprocess
 from weights.checkpoint import load_checkpoint
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was"]
@@ -78,3 +84,132 @@ def test_each_rank_reads_the_kv_heads_its_query_heads_use():
     assert [list(Shard(r, 4).kv_heads(gqa)) for r in range(4)] == [[0], [0], [1], [1]]
     assert [list(Shard(r, 2).kv_heads(gqa)) for r in range(2)] == [[0], [1]]
     assert [list(Shard(r, 2).vocab_rows(9)) for r in range(2)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
+def tensor_parallel_server(model: Path, port: int, *flags: str):
+    """`python -m server --tensor-parallel-size 2` on the CPU, started as a user starts it."""
+    env = dict(os.environ, KVSERVE_COMPILE="off")
+    return start_subprocess("--model", str(model), "--port", str(port), "--device", "cpu", "--dtype", "float32",
+                            "--tensor-parallel-size", "2", "--max-batch-size", "2", "--seed", "0", *flags, env=env)
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's spawned worker processes (multiprocessing's spawn children), from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent == server_pid and b"spawn_main" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def test_a_server_over_two_ranks_answers_as_one_process_does(model_dir):
+    path, port = model_dir("gqa"), free_port()
+    process, lines = tensor_parallel_server(path, port, "--max-seq-len", "64")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}, "".join(lines)
+        whole = Engine.from_pretrained(path, EngineConfig(**SETTINGS))
+        (expected,) = whole.generate([PROMPTS[0]], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+        info = httpx.get(f"{url}/info").json()
+        # each rank's cache: h_kv/2 heads; /info gives one rank's and the total
+        assert info["kv_cache"]["h_kv"] == 1 and info["tensor_parallel"]["size"] == 2
+        per_rank = whole.cache.capacity_bytes // 2
+        assert info["tensor_parallel"] == {"size": 2, "kv_cache_bytes_per_rank": per_rank,
+                                           "kv_cache_bytes_total": 2 * per_rank}
+        body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 10, "do_sample": False}}
+        with httpx.Client(base_url=url, timeout=60) as client:
+            with connect_sse(client, "POST", "/generate_stream", json=body) as source:
+                events = [json.loads(e.data) for e in source.iter_sse()]
+            assert [e["token"]["id"] for e in events] == expected.output_ids  # streamed, token for token
+            completion = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 10,
+                                                              "temperature": 0}).json()
+            chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 5}).json()
+        assert completion["choices"][0]["text"] == expected.text
+        assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] >= 1
+        assert any("tensor parallel over 2 ranks" in line for line in lines), "".join(lines)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0  # the workers were told to stop: not a failure
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_dead_worker_ends_the_streams_and_the_server(model_dir):
+    port = free_port()
+    process, lines = tensor_parallel_server(model_dir("long"), port, "--max-seq-len", "4096")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health").status_code == 200, "".join(lines)
+        (worker,) = worker_pids(process.pid)
+        body = {"prompt": "hi", "stream": True, "max_tokens": 4000, "ignore_eos": True}
+        with httpx.Client(base_url=url, timeout=60) as client, connect_sse(client, "POST", "/v1/completions", json=body) as source:
+            events = source.iter_sse()
+            assert json.loads(next(events).data)["object"] == "text_completion"
+            os.kill(worker, signal.SIGKILL)
+            rest = [e.data for e in events]  # the server ends the stream itself
+        assert rest[-1] == "[DONE]"
+        assert "rank 1" in json.loads(rest[-2])["error"]["message"]
+        assert process.wait(60) == 1  # non-zero: a supervisor restarts it
+        assert "tensor-parallel worker rank 1" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_stuck_worker_fails_the_server_after_the_collective_timeout(model_dir):
+    port = free_port()
+    process, lines = tensor_parallel_server(model_dir("long"), port, "--max-seq-len", "4096", "--collective-timeout", "3")
+    (worker,) = worker_pids(process.pid)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health").status_code == 200, "".join(lines)
+        body = {"prompt": "hi", "stream": True, "max_tokens": 4000, "ignore_eos": True}
+        with httpx.Client(base_url=url, timeout=60) as client, connect_sse(client, "POST", "/v1/completions", json=body) as source:
+            events = source.iter_sse()
+            assert json.loads(next(events).data)["object"] == "text_completion"
+            os.kill(worker, signal.SIGSTOP)  # alive, but never answers: only the timeout can tell
+            rest = [e.data for e in events]
+        assert rest[-1] == "[DONE]"
+        assert "collective" in json.loads(rest[-2])["error"]["message"]
+        assert process.wait(60) == 1
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_two_nodes_meet_at_the_master_address(model_dir):
+    """--nnodes 2 on one machine: node 1 runs rank 1 only and reaches node 0 at --master-addr:--master-port."""
+    path, port, master = model_dir("gqa"), free_port(), free_port()
+    flags = ["--model", str(path), "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2",
+             "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master), "--max-seq-len", "64",
+             "--seed", "0"]
+    node1 = subprocess.Popen([sys.executable, "-m", "server", *flags, "--node-rank", "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    process, lines = start_subprocess(*flags, "--port", str(port), "--max-batch-size", "2",
+                                      env=dict(os.environ, KVSERVE_COMPILE="off"))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health").status_code == 200, "".join(lines)
+        whole = Engine.from_pretrained(path, EngineConfig(**SETTINGS))
+        (expected,) = whole.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+        completion = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                                                "ignore_eos": True}, timeout=60).json()
+        assert completion["choices"][0]["text"] == expected.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert node1.wait(60) == 0  # told to stop by rank 0
+    finally:
+        for p in (process, node1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
