@@ -6,8 +6,8 @@ workers, which make the same call on theirs. Same calls in the same order, same 
 and sampler decide the same, so the collectives inside the model line up (gpt-fast's scheme; vLLM's
 multiprocessing executor broadcasts each step's inputs the same way).
 
-Two groups over gloo: the model's, whose collectives time out after --collective-timeout (a stuck peer), and
-the commands', which waits as long as the server is idle. On one machine rank 0 spawns the workers and watches
+Two groups: the model's (NCCL on GPUs, one per rank; gloo on the CPU), whose collectives time out after
+--collective-timeout (a stuck peer), and the commands' (gloo), which waits as long as the server is idle. On one machine rank 0 spawns the workers and watches
 them: a worker that exits fails the server at once (/health 503, open streams end with an error naming the rank,
 the process exits 1). With --nnodes > 1, node k runs ranks k·N/nnodes .. (k+1)·N/nnodes - 1 and reaches node 0 at
 --master-addr:--master-port, as torchrun's rendezvous settings do.
@@ -68,11 +68,24 @@ class Group:
     world: int
     init_method: str  # tcp://node-0:port, or file://path on one machine
     collective_timeout: float  # seconds
+    device: str  # the server's --device: cpu, or cuda (one GPU per rank on each machine)
+    local_ranks: int  # ranks on this machine
+
+    @property
+    def rank_device(self) -> str:
+        """This rank's device: the CPU, or the GPU of its place on its machine."""
+        if self.device == "cpu" or self.device == "auto" and not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{self.rank % self.local_ranks}"
 
     def join(self) -> "Channel":
         """Join the default (model) group and return the commands' channel; every rank calls this, and the
-        rendezvous waits for all of them."""
-        dist.init_process_group("gloo", init_method=self.init_method, rank=self.rank, world_size=self.world,
+        rendezvous waits for all of them. The model's collectives run over NCCL on GPUs, gloo on the CPU; the
+        commands always over gloo (CPU tensors)."""
+        backend = "gloo" if self.rank_device == "cpu" else "nccl"
+        if backend == "nccl":
+            torch.cuda.set_device(self.rank_device)
+        dist.init_process_group(backend, init_method=self.init_method, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=self.collective_timeout))
         return Channel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), self.collective_timeout)
 
@@ -169,13 +182,14 @@ def start(settings, path: str, on_worker_exit: Callable[[str], None]) -> tuple[L
     """Rank 0: spawn this machine's workers, meet them (and other nodes' ranks), send the config, load its shard."""
     world, local = settings.tensor_parallel_size, settings.ranks_per_node
     config = engine_config(settings.engine_config(), settings.seed if settings.seed is not None else torch.seed())
-    group = Group(0, world, rendezvous(settings), settings.collective_timeout)
-    workers = Workers.spawn(range(1, local), group, path, settings.device, settings.dtype, local)
+    group = Group(0, world, rendezvous(settings), settings.collective_timeout, settings.device, local)
+    workers = Workers.spawn(range(1, local), group, path, settings.dtype)
     workers.watch(on_worker_exit)
     torch.set_num_threads(threads_per_rank(local))
     channel = group.join()
+    config = dataclasses.replace(config, device=group.rank_device)
     channel.send(dataclasses.asdict(config))  # one seed for all: every rank samples the same tokens
-    model, tokenizer = load_shard(path, settings.device, settings.dtype, Shard(0, world))
+    model, tokenizer = load_shard(path, group.rank_device, settings.dtype, Shard(0, world))
     engine = LeaderEngine(model, tokenizer, config, channel, world)
     cache = engine.cache
     log.info("tensor parallel over %d ranks: each holds %d of the model's K/V heads; KV cache %s per rank, %s in "
@@ -187,9 +201,10 @@ def start(settings, path: str, on_worker_exit: Callable[[str], None]) -> tuple[L
 def run_node(settings, path: str) -> int:
     """A node other than 0: its ranks only, until they end; the exit code of the first that failed, else 0."""
     local = settings.ranks_per_node
-    group = Group(0, settings.tensor_parallel_size, rendezvous(settings), settings.collective_timeout)
+    group = Group(0, settings.tensor_parallel_size, rendezvous(settings), settings.collective_timeout,
+                  settings.device, local)
     first = settings.node_rank * local
-    workers = Workers.spawn(range(first, first + local), group, path, settings.device, settings.dtype, local)
+    workers = Workers.spawn(range(first, first + local), group, path, settings.dtype)
     codes = []
     for process in workers.processes.values():
         process.join()
@@ -204,14 +219,14 @@ def rendezvous(settings) -> str:
     return f"file://{tempfile.mkdtemp(prefix='kvserve-tp-')}/rendezvous"
 
 
-def run_worker(group: Group, path: str, device: str, dtype: str, local_ranks: int) -> None:
+def run_worker(group: Group, path: str, dtype: str) -> None:
     """A worker process: meet the group, take rank 0's config, load its shard, follow rank 0 until told to stop
     or a peer is lost."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {group.rank}: %(message)s")
-    torch.set_num_threads(threads_per_rank(local_ranks))
+    torch.set_num_threads(threads_per_rank(group.local_ranks))
     channel = group.join()
-    config = EngineConfig(**channel.receive())
-    model, tokenizer = load_shard(path, device, dtype, Shard(group.rank, group.world))
+    config = dataclasses.replace(EngineConfig(**channel.receive()), device=group.rank_device)
+    model, tokenizer = load_shard(path, group.rank_device, dtype, Shard(group.rank, group.world))
     engine = Engine(model, tokenizer, config)
     log.info("rank %d of %d loaded its shard", group.rank, group.world)
     try:
@@ -229,13 +244,13 @@ class Workers:
         self.processes = processes  # rank -> process
 
     @classmethod
-    def spawn(cls, ranks: range, group: Group, path: str, device: str, dtype: str, local_ranks: int) -> "Workers":
+    def spawn(cls, ranks: range, group: Group, path: str, dtype: str) -> "Workers":
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and torch state
         processes = {}
         for rank in ranks:
             worker_group = dataclasses.replace(group, rank=rank)
             processes[rank] = context.Process(target=run_worker, name=f"kvserve-rank-{rank}", daemon=True,
-                                              args=(worker_group, path, device, dtype, local_ranks))
+                                              args=(worker_group, path, dtype))
             processes[rank].start()
         return cls(processes)
 

@@ -213,3 +213,25 @@ def test_two_nodes_meet_at_the_master_address(model_dir):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_over_nccl_answer_as_one_gpu_does(model_dir):
+    path, port = model_dir("gqa"), free_port()
+    env = dict(os.environ, KVSERVE_COMPILE="off")
+    process, lines = start_subprocess("--model", str(path), "--port", str(port), "--device", "cuda", "--dtype",
+                                      "float32", "--tensor-parallel-size", "2", "--max-seq-len", "64", "--seed", "0",
+                                      env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health").status_code == 200, "".join(lines)
+        whole = Engine.from_pretrained(path, EngineConfig(**(SETTINGS | {"device": "cuda"})))
+        (expected,) = whole.generate([PROMPTS[0]], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+        completion = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0,
+                                                                "ignore_eos": True}, timeout=60).json()
+        assert completion["choices"][0]["text"] == expected.text
+        assert httpx.get(f"{url}/info").json()["device"] == "cuda:0"
+    finally:
+        process.kill()
+        process.wait()
