@@ -22,7 +22,7 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger("kvserve.native")
 
-SOURCES = [Path(__file__).with_name("native") / name for name in ("codes4_product.cpp", "codes8_product.cpp")]
+NATIVE = Path(__file__).with_name("native")  # *.cpp compiled into one library, with the headers beside them
 
 
 @functools.cache  # the ops register process-wide, once: a second build or load would only fail
@@ -54,7 +54,7 @@ def load_or_build() -> str | None:
 def cached_library(compiler: str) -> Path:
     """The library's path, named by everything that changes what gets built: sources, torch, compiler and CPU."""
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in sorted(NATIVE.iterdir()):
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.encode())
@@ -82,7 +82,7 @@ def build(compiler: str, library: Path, arch: str = "native") -> None:
         partial = Path(scratch) / library.name  # renamed into place whole: processes that build at once don't clash
         command = [compiler, "-O3", f"-march={arch}", "-shared", "-fPIC", "-std=c++20", "-fopenmp",
                    f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", *include,
-                   *map(str, SOURCES), f"-L{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu",
+                   *map(str, sorted(NATIVE.glob("*.cpp"))), f"-L{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu",
                    f"-Wl,-rpath,{torch_lib}", "-o", str(partial)]
         log.info("building kvserve's kernels for this CPU (once): %s", library.name)
         subprocess.run(command, check=True, capture_output=True, text=True)

@@ -3,11 +3,10 @@
 Two layouts (activations stay in bfloat16):
 - groups (`GroupCodes`): each group of 32 inputs of an output row keeps unsigned codes, one scale and one
   minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks, 8-bit codes Q8_0's
-  (shifted by 128). kvserve's own kernels (engine/native) run them where they build: 4-bit codes as
-  integer dot products with the inputs quantized to 8 bits per group, as llama.cpp does (`Codes4Linear`),
-  8-bit codes in float32, each code read once as a byte (`Codes8Linear`). Elsewhere torch's int4 kernel
-  runs both (`GroupLinear`): an 8-bit code is two 4-bit halves, 16·high + low, served as two stacked
-  output rows and summed.
+  (shifted by 128). kvserve's own kernels (engine/native) run them where they build, as integer dot products
+  with the inputs quantized to 8 bits per group, as llama.cpp computes them (`Codes4Linear`,
+  `Codes8Linear`). Elsewhere torch's int4 kernel runs both (`GroupLinear`): an 8-bit code is two 4-bit
+  halves, 16·high + low, served as two stacked output rows and summed.
 - rows (`Int8Linear`): each output row keeps 8-bit codes in [-127, 127] and one scale (int8pack).
 
 What a layer becomes (`quantized_linear`): codes stored by the checkpoint (a GGUF's blocks) are served
@@ -20,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.native import load_kernels
@@ -139,61 +139,68 @@ class GroupLinear(WeightOnlyLinear):
         return y.view(-1, self.halves, self.out_features).sum(1)  # (tokens, 2, out): high and low halves -> (tokens, out)
 
 
-class Codes4Linear(WeightOnlyLinear):
-    """4-bit group codes through kvserve's own kernel (torch.ops.kvserve.codes4_product), in tiles of 16 rows.
+class GroupTiles(WeightOnlyLinear):
+    """Group codes through one of kvserve's kernels (engine/native), in tiles of 16 output rows.
 
     The rows are padded to whole tiles with zero codes and scales; the kernel returns only `out_features`.
+    Scales and minimums are float16, as GGUF stores them (exact for its blocks).
     """
 
     compute_dtype = torch.float32
     TILE = 16  # output rows per tile
+    bits: int
 
     def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        if weight.bits != 4:
-            raise ValueError(f"Codes4Linear serves 4-bit codes, got {weight.bits}-bit ones")
+        if weight.bits != self.bits:
+            raise ValueError(f"{type(self).__name__} serves {self.bits}-bit codes, got {weight.bits}-bit ones")
         self.out_features, self.in_features = weight.shape
         pad = -self.out_features % self.TILE
-        codes, scale, minimum = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (weight.codes, weight.scale, weight.minimum))
+        codes, scale, minimum = (F.pad(t, (0, 0, 0, pad)) for t in (weight.codes, weight.scale, weight.minimum))
         tiles, groups = codes.shape[0] // self.TILE, self.in_features // GROUP_SIZE
-        q = codes.view(tiles, self.TILE, groups, 4, 2, 4)  # (tile, row, group, run k, nibble, input 8k + 4·nibble + i)
-        q = q.permute(0, 2, 3, 1, 5, 4)  # (tile, group, run, row, input, nibble): the kernel's byte order
-        self.register_buffer("packed", (q[..., 0] | q[..., 1] << 4).reshape(tiles, -1).contiguous())
+        self.register_buffer("packed", self.pack(codes.view(tiles, self.TILE, groups, GROUP_SIZE)).reshape(tiles, -1))
         per_tile = lambda t: t.view(tiles, self.TILE, groups).transpose(1, 2).contiguous().to(torch.float16)  # (tile, group, row)
         self.register_buffer("scale", per_tile(scale))
         self.register_buffer("minimum", per_tile(minimum))
         self.bias = bias
         self.activation_dtype = dtype
 
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        """codes (tile, row, group, 32) -> the kernel's bytes (tile, group, ...)."""
+        raise NotImplementedError
+
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.kvserve.codes4_product(rows.float().contiguous(), self.packed, self.scale, self.minimum,
-                                             self.out_features)
+        kernel = torch.ops.kvserve.codes4_product if self.bits == 4 else torch.ops.kvserve.codes8_product
+        y = kernel(rows.float().contiguous(), self.packed, self.scale, self.minimum, self.out_features)
         return y.to(self.activation_dtype)
 
 
-class Codes8Linear(WeightOnlyLinear):
-    """8-bit group codes through kvserve's own kernel (torch.ops.kvserve.codes8_product), in float32.
+class Codes4Linear(GroupTiles):
+    """4-bit codes (Q4_0, Q4_1): integer dot products with the inputs quantized to 8 bits per group, the codes
+    centred on 8 (engine/native/codes4_product.cpp)."""
 
-    It keeps signed codes q - 128, so the minimum becomes minimum + 128·scale: zero for GGUF's Q8_0, whose
-    blocks are d·q. Scales and minimums are float16, as GGUF stores them (exact for its blocks).
-    """
+    bits = 4
 
-    compute_dtype = torch.float32
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        tiles, rows, groups, _ = codes.shape
+        q = codes.view(tiles, rows, groups, 4, 2, 4)  # (tile, row, group, run k, nibble, input 8k + 4·nibble + i)
+        q = q.permute(0, 2, 3, 1, 5, 4)  # (tile, group, run, row, input, nibble): the kernel's byte order
+        return (q[..., 0] | q[..., 1] << 4).contiguous()
 
-    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
-        if weight.bits != 8:
-            raise ValueError(f"Codes8Linear serves 8-bit codes, got {weight.bits}-bit ones")
-        self.register_buffer("codes", (weight.codes.to(torch.int16) - 128).to(torch.int8))
-        self.register_buffer("scale", weight.scale.to(torch.float16))
-        self.register_buffer("minimum", (weight.minimum + 128 * weight.scale).to(torch.float16))
-        self.bias = bias
-        self.out_features, self.in_features = weight.shape
-        self.activation_dtype = dtype
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.kvserve.codes8_product(rows.float().contiguous(), self.codes, self.scale, self.minimum)
-        return y.to(self.activation_dtype)
+class Codes8Linear(GroupTiles):
+    """8-bit codes (Q8_0): integer dot products with the inputs quantized to 8 bits per group, the codes centred
+    on 128 (engine/native/codes8_product.cpp)."""
+
+    bits = 8
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        tiles, rows, groups, _ = codes.shape
+        q = codes.view(tiles, rows, groups, 8, 4)  # (tile, row, group, run k, input 4k + i)
+        return q.permute(0, 2, 3, 1, 4).contiguous()  # (tile, group, run, row, input): the kernel's byte order
 
 
 class Int8Linear(WeightOnlyLinear):
