@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -56,7 +57,87 @@ inline int32_t four_codes(const int8_t* p) {  // 4 input codes as one broadcasta
   return v;
 }
 
-// Tile::run<R>(packed, scale, minimum, groups, x, row, in, y, out): R input rows from `row` · one tile -> y.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+using Operand = __m512i;  // 64 code bytes: 4 inputs of each of a tile's 16 rows
+constexpr int kParts = 1;  // registers per tile
+
+// One part of a tile (all of it here), R input rows from `row`: y[r·out + 0..15] = the product, group by group.
+// Codes::operands(bytes, part, w) gives the group's 8 operands, w[k] = the codes of inputs 4k..4k+3.
+template <typename Codes, int R>
+void run_tile(const uint8_t* packed, const at::Half* scale, const at::Half* minimum, int64_t groups,
+              const QuantizedRows& x, int64_t row, int64_t in, float* y, int64_t out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    Operand w[8];
+    Codes::operands(packed + g * Codes::kTileGroupBytes, 0, w);
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kTile)));
+    const __m512 rest = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(Codes::kCentre)), s,
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + g * kTile))));
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (row + r) * groups + g;
+      const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains: half the latency
+      for (int k = 0; k < 8; k += 2) {  // vpdpbusd: unsigned codes · signed inputs, 4 at a time, into int32
+        even = _mm512_dpbusd_epi32(even, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
+        odd = _mm512_dpbusd_epi32(odd, w[k + 1], _mm512_set1_epi32(four_codes(codes + 4 * k + 4)));
+      }
+      const __m512i centred = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(x.centred_sum[rg]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[rg])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(rest, _mm512_set1_ps(x.sum[rg]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * out, acc[r]);
+}
+
+#else  // AVX2: a tile is two parts of 8 rows; vpmaddubsw + vpmaddwd stand for vpdpbusd
+
+using Operand = __m256i;  // 32 code bytes: 4 inputs of each of 8 rows
+constexpr int kParts = 2;
+
+// acc + Σ over 4-byte lanes of (q - centre)·x̂: vpmaddubsw multiplies unsigned by signed bytes, so |q - centre|
+// meets x̂ carrying the sign of q - centre (|q - centre| <= 128, |x̂| <= 127: a pair's sum fits in int16).
+template <int32_t kCentre>
+inline __m256i dot_centred(__m256i acc, __m256i q, __m256i x) {
+  const __m256i centred = _mm256_sub_epi8(q, _mm256_set1_epi8(static_cast<char>(kCentre)));  // as int8, wrapping
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(x, centred));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+template <typename Codes, int R>
+void run_tile(const uint8_t* packed, const at::Half* scale, const at::Half* minimum, int64_t groups,
+              const QuantizedRows& x, int64_t row, int64_t in, float* y, int64_t out) {
+  for (int part = 0; part < kParts; ++part) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      Operand w[8];
+      Codes::operands(packed + g * Codes::kTileGroupBytes, part, w);
+      const int64_t lanes = g * kTile + 8 * part;
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + lanes)));
+      const __m256 rest = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(Codes::kCentre)), s,
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimum + lanes))));
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (row + r) * groups + g;
+        const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
+        __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k += 2) {
+          even = dot_centred<Codes::kCentre>(even, w[k], _mm256_set1_epi32(four_codes(codes + 4 * k)));
+          odd = dot_centred<Codes::kCentre>(odd, w[k + 1], _mm256_set1_epi32(four_codes(codes + 4 * k + 4)));
+        }
+        const __m256i centred = _mm256_add_epi32(even, odd);  // centred already, byte by byte
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(x.scale[rg])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(rest, _mm256_set1_ps(x.sum[rg]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * out + 8 * part, acc[r]);
+  }
+}
+
+#endif
+
+// Codes: kTileGroupBytes (a tile's bytes per group), kCentre (8 or 128), operands(bytes, part, w) (run_tile).
 template <typename Tile>
 at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scale,
                          const at::Tensor& minimum, int64_t out_features) {
@@ -83,8 +164,8 @@ at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const
       const at::Half* mn = minimums + t * groups * kTile;
       int64_t r = 0;
       for (; r + kRowsPerPass <= m; r += kRowsPerPass)
-        Tile::template run<kRowsPerPass>(p, s, mn, groups, x, r, in, yp + r * padded + t * kTile, padded);
-      for (; r < m; ++r) Tile::template run<1>(p, s, mn, groups, x, r, in, yp + r * padded + t * kTile, padded);
+        run_tile<Tile, kRowsPerPass>(p, s, mn, groups, x, r, in, yp + r * padded + t * kTile, padded);
+      for (; r < m; ++r) run_tile<Tile, 1>(p, s, mn, groups, x, r, in, yp + r * padded + t * kTile, padded);
     }
   });
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
