@@ -74,8 +74,9 @@ def tie_quantized_head(model: nn.Module, max_rows: int, copy: bool = False) -> N
     if switch is None and packed:  # a copy that never runs would only take memory
         dense = CpuLinear(embedding, head.bias, widen)
     model.lm_head = TwoForms(head, dense, switch)
-    log.info("LM head: codes below %s rows, the %s from there (ms codes/dense by rows: %s)",
-             switch or "any number of", "packed embedding" if packed else "embedding", described(timings))
+    dense_name = "packed embedding" if packed else "embedding"
+    where = f"codes below {switch} rows, the {dense_name} from there" if switch else "codes at every row count"
+    log.info("LM head: %s (ms codes/%s by rows: %s)", where, dense_name, described(timings))
 
 
 def keep_dense_copies(model: nn.Module, max_rows: int) -> None:
