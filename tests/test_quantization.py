@@ -31,7 +31,7 @@ def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qt
     stored = torch.from_numpy(dequantize(np.asarray(tensor.data), qtype).reshape(48, 96))  # gguf's own reading
     assert codes.bits == (8 if qtype == GGMLQuantizationType.Q8_0 else 4)
     torch.testing.assert_close(codes.dequantize(), stored, atol=1e-6, rtol=1e-5)
-    x = torch.randn(5, 96)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0))
     expected = x.bfloat16().float() @ stored.t()
     with torch.inference_mode():
         got = GroupLinear(codes, bias=None)(x.bfloat16()).float()

@@ -104,14 +104,17 @@ def test_dense_copies_hold_the_weights_the_codes_compute_with(model_dir):
     engine = Engine.from_pretrained(model_dir("gqa"), EngineConfig(device="cpu", quantize="int4", max_batch_size=4,
                                                                    max_seq_len=64))
     attach_dense_copies(engine.model, dense_from=3)
+    generator = torch.Generator().manual_seed(0)
     layers = [m for m in engine.model.layers.modules() if isinstance(m, TwoForms)]
     assert len(layers) == 4 * engine.model.config.num_layers  # qkv, o, gate_up and down
     for layer in layers:
         assert isinstance(layer.codes, group_layer(4, torch.device("cpu")))
         assert isinstance(layer.dense, PackedLinear if packs_bfloat16() else CpuLinear)
-        x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
-        # The copy is the codes' own weight: the same product, rounded at other points.
-        torch.testing.assert_close(layer.dense(x).float(), layer.codes(x).float(), atol=0.02, rtol=0.02)
+        x = torch.randn(5, layer.in_features, dtype=torch.bfloat16, generator=generator)
+        # The copy is the codes' own weight: the same product, rounded at other points (and, for kvserve's
+        # kernels, with the inputs quantized to 8 bits per group: about 0.5% of the product).
+        dense, coded = layer.dense(x).float(), layer.codes(x).float()
+        assert ((coded - dense).norm() / dense.norm()).item() < 0.02
         assert torch.equal(layer(x[:2]), layer.codes(x[:2])) and torch.equal(layer(x), layer.dense(x))
 
 
