@@ -35,3 +35,16 @@ def cpu_has_native_bf16() -> bool:
         return False
     flags = cpuinfo.read_text(errors="replace")
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def quantized_mode(path, quantize: str, dtype: str, device: torch.device) -> str:
+    """What `quantize` resolves to for the checkpoint at `path`: auto serves a GGUF's quantized matrices as
+    stored, on the CPU in bfloat16 (or auto) only; anything else dense ("none")."""
+    from weights.checkpoint import stores_quantized  # weights builds on engine: imported when used
+
+    mode = quantize
+    if mode == "auto" and not (device.type == "cpu" and dtype in ("auto", "bfloat16") and stores_quantized(path)):
+        mode = "none"
+    if mode != "none" and device.type != "cpu":
+        raise ValueError(f"quantize={mode!r} runs on CPU kernels; on {device} serve dense weights")
+    return mode

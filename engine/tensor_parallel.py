@@ -31,10 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.device import resolve_device, resolve_dtype
+from engine.device import quantized_mode, resolve_device, resolve_dtype
 from engine.model import Transformer, build_model
-from engine.quantization import GroupCodes
+from engine.quantization import GROUP_SIZE, GroupCodes
 from engine.tokenizer import Tokenizer
+
+
+Weight = torch.Tensor | GroupCodes
 
 
 class PeerLost(BaseException):
@@ -81,16 +84,15 @@ class Shard:
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
-def shard_checkpoint(config: ModelConfig, state: dict[str, torch.Tensor], shard: Shard
-                     ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def shard_checkpoint(config: ModelConfig, state: dict[str, Weight], shard: Shard
+                     ) -> tuple[ModelConfig, dict[str, Weight]]:
     """The rank's part of a dense checkpoint: a config of its own heads, MLP width and vocabulary rows, and the
     tensors of its slices, to build a model from (`parallelize` then gives it back the whole vocabulary).
 
-    The embedding and head tensors are the rank's rows, padded with zeros to ceil(V/N).
+    The embedding and head tensors are the rank's rows, padded with zeros to ceil(V/N). Quantized matrices
+    (GroupCodes) split the same way, columns in whole groups of 32.
     """
     shard.check(config)
-    if any(isinstance(t, GroupCodes) for t in state.values()):
-        raise ValueError("tensor parallelism serves dense weights so far: use --quantize none")
     n, d = shard.world, config.head_dim
     heads = config.num_heads // n
     q_rows = slice(shard.rank * heads * d, (shard.rank + 1) * heads * d)
@@ -102,10 +104,24 @@ def shard_checkpoint(config: ModelConfig, state: dict[str, torch.Tensor], shard:
     up_rows = slice(config.intermediate_size + gate_rows.start, config.intermediate_size + gate_rows.stop)
     vocab = shard.vocab_rows(config.vocab_size)
 
-    def rows(tensor: torch.Tensor, *slices: slice) -> torch.Tensor:
+    def rows(tensor: Weight, *slices: slice) -> Weight:
+        if isinstance(tensor, GroupCodes):  # codes, scales and minimums all lead with the output rows
+            return tensor.map_rows(lambda t: rows(t, *slices))
         return torch.cat([tensor[s] for s in slices]).contiguous()
 
-    def vocabulary(tensor: torch.Tensor) -> torch.Tensor:  # (V, hidden) -> (ceil(V/N), hidden), zero-padded
+    def columns(tensor: Weight, part: slice) -> Weight:
+        if isinstance(tensor, GroupCodes):  # whole groups of inputs: a rank's columns start and end on one
+            if part.start % GROUP_SIZE or part.stop % GROUP_SIZE:
+                raise ValueError(f"a rank's {part.stop - part.start} input columns are not whole groups of "
+                                 f"{GROUP_SIZE}: serve this split with --quantize none")
+            groups = slice(part.start // GROUP_SIZE, part.stop // GROUP_SIZE)
+            return GroupCodes(tensor.codes[:, part].contiguous(), tensor.scale[:, groups].contiguous(),
+                              tensor.minimum[:, groups].contiguous(), tensor.bits)
+        return tensor[:, part].contiguous()
+
+    def vocabulary(tensor: Weight) -> Weight:  # (V, hidden) -> (ceil(V/N), hidden), zero-padded (zero codes too)
+        if isinstance(tensor, GroupCodes):
+            return tensor.map_rows(vocabulary)
         part = tensor[vocab.start: vocab.stop]
         return F.pad(part, (0, 0, 0, len(vocab) - part.shape[0])).contiguous()
 
@@ -114,11 +130,11 @@ def shard_checkpoint(config: ModelConfig, state: dict[str, torch.Tensor], shard:
         if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             local[name] = rows(tensor, q_rows, k_rows, v_rows)
         elif name.endswith("o_proj.weight"):
-            local[name] = tensor[:, q_rows].contiguous()
+            local[name] = columns(tensor, q_rows)
         elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
             local[name] = rows(tensor, gate_rows, up_rows)
         elif name.endswith("down_proj.weight"):
-            local[name] = tensor[:, gate_rows].contiguous()
+            local[name] = columns(tensor, gate_rows)
         elif name.endswith(("o_proj.bias", "down_proj.bias")):  # added once, after the all-reduce's sum
             local[name] = tensor if shard.rank == 0 else torch.zeros_like(tensor)
         elif name in ("embed_tokens.weight", "lm_head.weight"):
@@ -187,7 +203,7 @@ def parallelize(model: nn.Module, config: ModelConfig, shard: Shard, group: dist
         block.self_attn.o_proj = AllReduced(block.self_attn.o_proj, group)
         block.mlp.down_proj = AllReduced(block.mlp.down_proj, group)
     first = shard.vocab_rows(config.vocab_size).start
-    tied = model.lm_head.weight is model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is model.embed_tokens.weight  # a quantized head has codes of its own
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, first, group)
     model.lm_head = VocabParallelHead(model.lm_head, config.vocab_size, shard.world, group)
     if tied:
@@ -196,20 +212,24 @@ def parallelize(model: nn.Module, config: ModelConfig, shard: Shard, group: dist
     return model
 
 
-def shard_model(config: ModelConfig, state: dict[str, torch.Tensor], shard: Shard, device: torch.device,
-                group: dist.ProcessGroup | None = None) -> Transformer:
-    """The rank's part of a dense checkpoint, built and made to compute the whole model's outputs with the group."""
-    return parallelize(build_model(*shard_checkpoint(config, state, shard), device), config, shard, group)
+def shard_model(config: ModelConfig, state: dict[str, Weight], shard: Shard, device: torch.device,
+                group: dist.ProcessGroup | None = None, quantize: str = "none") -> Transformer:
+    """The rank's part of a checkpoint, built (`build_model`'s `quantize`) and made to compute the whole model's
+    outputs with the group."""
+    return parallelize(build_model(*shard_checkpoint(config, state, shard), device, quantize), config, shard, group)
 
 
-def load_shard(path, device: str, dtype: str, shard: Shard, group: dist.ProcessGroup | None = None
+def load_shard(path, device: str, dtype: str, quantize: str, shard: Shard, group: dist.ProcessGroup | None = None
                ) -> tuple[Transformer, Tokenizer]:
-    """The rank's part of the checkpoint at `path` (dense: quantized matrices are dequantized), with its tokenizer."""
+    """The rank's part of the checkpoint at `path`, with its tokenizer; weights as `Engine.from_pretrained` serves
+    them (`quantized_mode`)."""
     from weights.checkpoint import load_checkpoint  # weights builds on engine: imported when used, not at import
 
     resolved = resolve_device(device)
-    config, state = load_checkpoint(path, resolve_dtype(dtype, resolved), codes=False)
-    return shard_model(config, state, shard, resolved, group), Tokenizer.from_dir(path)
+    mode = quantized_mode(path, quantize, dtype, resolved)
+    dtype = torch.bfloat16 if mode != "none" else resolve_dtype(dtype, resolved)
+    config, state = load_checkpoint(path, dtype, codes=mode != "none")
+    return shard_model(config, state, shard, resolved, group, mode), Tokenizer.from_dir(path)
 
 
 @contextmanager

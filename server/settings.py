@@ -65,9 +65,6 @@ class Settings:
             raise ValueError("several nodes meet at --master-addr:--master-port: give --master-port")
         if self.collective_timeout <= 0:
             raise ValueError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
-        if self.tensor_parallel_size > 1 and self.quantize in ("int4", "int8"):
-            raise ValueError(f"tensor parallelism serves dense weights so far; --quantize {self.quantize} is not "
-                             "supported with --tensor-parallel-size > 1")
 
     @property
     def ranks_per_node(self) -> int:
@@ -122,8 +119,8 @@ FLAGS = [
     ("tool_call_parser", str, "auto, hermes or llama3: how the model writes tool calls (<tool_call> blocks, or "
                               "Llama 3's bare JSON); auto reads it from the chat template"),
     ("tensor_parallel_size", int, "split the model over N processes (torch.distributed, gloo): heads, MLP and "
-                                  "vocabulary; each holds 1/N of the weights and of the KV cache (dense weights, "
-                                  "eager decode so far)"),
+                                  "vocabulary; each holds 1/N of the weights and of the KV cache (eager decode so "
+                                  "far)"),
     ("nnodes", int, "machines the tensor-parallel ranks span (each runs tensor_parallel_size / nnodes of them)"),
     ("node_rank", int, "this machine's place among --nnodes: 0 serves HTTP, the others run workers only"),
     ("master_addr", str, "address of node 0, where the ranks meet (several nodes)"),

@@ -169,8 +169,8 @@ def follow(engine: Engine, channel: Channel) -> None:
 
 
 def engine_config(config: EngineConfig, seed: int) -> EngineConfig:
-    """Every rank's config: one seed for all (so sampling agrees), dense weights (shards are split dense)."""
-    return dataclasses.replace(config, seed=seed, quantize="none", compile="off")
+    """Every rank's config: one seed for all (so sampling agrees), eager decode."""
+    return dataclasses.replace(config, seed=seed, compile="off")
 
 
 def threads_per_rank(local_ranks: int) -> int:
@@ -189,7 +189,7 @@ def start(settings, path: str, on_worker_exit: Callable[[str], None]) -> tuple[L
     channel = group.join()
     config = dataclasses.replace(config, device=group.rank_device)
     channel.send(dataclasses.asdict(config))  # one seed for all: every rank samples the same tokens
-    model, tokenizer = load_shard(path, group.rank_device, settings.dtype, Shard(0, world))
+    model, tokenizer = load_shard(path, group.rank_device, settings.dtype, config.quantize, Shard(0, world))
     engine = LeaderEngine(model, tokenizer, config, channel, world)
     cache = engine.cache
     log.info("tensor parallel over %d ranks: each holds %d of the model's K/V heads; KV cache %s per rank, %s in "
@@ -226,7 +226,7 @@ def run_worker(group: Group, path: str, dtype: str) -> None:
     torch.set_num_threads(threads_per_rank(group.local_ranks))
     channel = group.join()
     config = dataclasses.replace(EngineConfig(**channel.receive()), device=group.rank_device)
-    model, tokenizer = load_shard(path, group.rank_device, dtype, Shard(group.rank, group.world))
+    model, tokenizer = load_shard(path, group.rank_device, dtype, config.quantize, Shard(group.rank, group.world))
     engine = Engine(model, tokenizer, config)
     log.info("rank %d of %d loaded its shard", group.rank, group.world)
     try:

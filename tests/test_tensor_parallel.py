@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gguf import GGMLQuantizationType
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
@@ -19,11 +20,14 @@ from bench.common import free_port
 from engine import Engine, EngineConfig
 from engine.config import ModelConfig
 from engine.sampling import SamplingParams
-from engine.tensor_parallel import Shard, cpu_group, shard_model
+from engine.quantization import WeightOnlyLinear, group_layer
+from engine.tensor_parallel import Shard, cpu_group, load_shard, shard_model
 from engine.tokenizer import Tokenizer
 from httpx_sse import connect_sse
 from tests.server_harness import start_subprocess
+from tests.test_gguf import write_gguf
 from weights.checkpoint import load_checkpoint
+from weights.gguf_file import import_gguf
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was"]
 SETTINGS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, compile="off", seed=0)
@@ -235,3 +239,32 @@ def test_two_gpus_over_nccl_answer_as_one_gpu_does(model_dir):
     finally:
         process.kill()
         process.wait()
+
+
+def run_quantized_rank(rank: int, world: int, path: str, port: int, out: str) -> None:
+    """One rank of a GGUF served as stored: its shard of the codes, as the server loads it."""
+    torch.set_num_threads(1)
+    with cpu_group(rank, world, port):
+        model, tokenizer = load_shard(Path(path), "cpu", "auto", "auto", Shard(rank, world))
+        engine = Engine(model, tokenizer, EngineConfig(**(SETTINGS | {"dtype": "auto"})))
+        save_file({"logits": engine.prompt_logits(PROMPTS[1]).contiguous()}, f"{out}/logits.{rank}.safetensors")
+        kinds = {type(m).__name__ for m in engine.model.modules() if isinstance(m, WeightOnlyLinear)}
+        Path(f"{out}/rank.{rank}.json").write_text(json.dumps({"kinds": sorted(kinds)}))
+    os._exit(0)  # as run_rank
+
+
+def test_two_ranks_serve_a_quantized_gguf_as_one_does(model_dir, tmp_path):
+    write_gguf(model_dir("gqa"), tmp_path / "q.gguf", override_type=GGMLQuantizationType.Q4_0)
+    imported = import_gguf(tmp_path / "q.gguf", tmp_path / "imported", progress=False)
+    mp.spawn(run_quantized_rank, args=(2, str(imported), free_port(), str(tmp_path)), nprocs=2, join=True)
+    whole = Engine.from_pretrained(imported, EngineConfig(**(SETTINGS | {"dtype": "auto"})))
+    assert whole.quantized
+    expected = whole.prompt_logits(PROMPTS[1]).log_softmax(-1)
+    for rank in range(2):
+        # every matrix split as codes (o and down by whole groups of inputs), none dequantized
+        assert json.loads((tmp_path / f"rank.{rank}.json").read_text())["kinds"] == [
+            group_layer(4, torch.device("cpu")).__name__]
+        got = load_file(tmp_path / f"logits.{rank}.safetensors")["logits"].log_softmax(-1)
+        # the same codes; bfloat16 partial sums added by the all-reduce round at other points than one product
+        kl = torch.nn.functional.kl_div(got, expected, log_target=True, reduction="none").sum(-1)
+        assert kl.max().item() < 1e-3
