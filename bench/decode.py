@@ -164,13 +164,14 @@ def matmul_floor(model: torch.nn.Module, repeats: int, rows: int = 1) -> Timing:
     these kernels."""
     dtype = model.embed_tokens.weight.dtype
     layers = projections(model, rows)
-    kinds = {(m.in_features, getattr(m, "compute_dtype", dtype)) for m in layers}  # inputs as each kernel takes them
-    inputs = {(n, kind): torch.randn(rows, n, dtype=kind) for n, kind in kinds}
+    shapes = [(m.in_features, getattr(m, "compute_dtype", dtype)) for m in layers]  # inputs as each kernel takes them
+    inputs = {shape: torch.randn(rows, shape[0], dtype=shape[1]) for shape in shapes}
+    calls = [(m, inputs[shape]) for m, shape in zip(layers, shapes)]
 
     @torch.inference_mode()
     def products():
-        for m in layers:
-            m(inputs[m.in_features, getattr(m, "compute_dtype", dtype)])
+        for m, x in calls:
+            m(x)
 
     return timed(products, 5 if repeats == 1 else repeats * 5, warmup=2)
 

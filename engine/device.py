@@ -30,11 +30,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_native_bf16() -> bool:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return False
-    flags = cpuinfo.read_text(errors="replace")
+    flags = cpu_description()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_description() -> str:
+    """The CPU's model and flags lines from /proc/cpuinfo (empty where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
 def quantized_mode(path, quantize: str, dtype: str, device: torch.device) -> str:

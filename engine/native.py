@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from engine.device import cpu_description
+
 log = logging.getLogger("kvserve.native")
 
 NATIVE = Path(__file__).with_name("native")  # *.cpp compiled into one library, with the headers beside them
@@ -58,19 +60,10 @@ def cached_library(compiler: str) -> Path:
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.encode())
-    key.update(cpu_description().encode())
+    key.update((cpu_description() or platform.processor()).encode())  # -march=native builds for exactly this CPU
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # TORCHINDUCTOR_CACHE_DIR, or torch's default
 
     return Path(cache_dir()) / "kvserve" / f"kernels-{key.hexdigest()[:20]}.so"
-
-
-def cpu_description() -> str:
-    """The CPU's model and flags: -march=native builds for exactly these."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
 def build(compiler: str, library: Path, arch: str = "native") -> None:

@@ -170,9 +170,13 @@ class GroupTiles(WeightOnlyLinear):
         """codes (tile, row, group, 32) -> the kernel's bytes (tile, group, ...)."""
         raise NotImplementedError
 
+    @property
+    def kernel(self):
+        """The torch op for these codes (registered by engine.native.load_kernels)."""
+        raise NotImplementedError
+
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        kernel = torch.ops.kvserve.codes4_product if self.bits == 4 else torch.ops.kvserve.codes8_product
-        y = kernel(rows.float().contiguous(), self.packed, self.scale, self.minimum, self.out_features)
+        y = self.kernel(rows.float().contiguous(), self.packed, self.scale, self.minimum, self.out_features)
         return y.to(self.activation_dtype)
 
 
@@ -181,6 +185,10 @@ class Codes4Linear(GroupTiles):
     centred on 8 (engine/native/codes4_product.cpp)."""
 
     bits = 4
+
+    @property
+    def kernel(self):
+        return torch.ops.kvserve.codes4_product
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -195,6 +203,10 @@ class Codes8Linear(GroupTiles):
     on 128 (engine/native/codes8_product.cpp)."""
 
     bits = 8
+
+    @property
+    def kernel(self):
+        return torch.ops.kvserve.codes8_product
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.native import cpu_description, load_kernels, load_or_build
+from engine.device import cpu_description
+from engine.native import load_kernels, load_or_build
 from engine.quantization import GroupCodes, GroupLinear, Int8Linear, group_layer
 from tests.test_gguf import write_minimal_gguf
 from weights.gguf_file import GGUFFile
