@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         child.kill()
     code = 1 if server.runner.failure else 0
     if server.workers is not None:
-        server.workers.kill()  # those still running: stopped ones have exited already
+        server.workers.end()
         logging.shutdown()
         os._exit(code)  # gloo's teardown at interpreter exit can abort (and turn 0 into 134)
     return code

@@ -20,6 +20,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -182,8 +183,9 @@ def start(settings, path: str, on_worker_exit: Callable[[str], None]) -> tuple[L
     """Rank 0: spawn this machine's workers, meet them (and other nodes' ranks), send the config, load its shard."""
     world, local = settings.tensor_parallel_size, settings.ranks_per_node
     config = engine_config(settings.engine_config(), settings.seed if settings.seed is not None else torch.seed())
-    group = Group(0, world, rendezvous(settings), settings.collective_timeout, settings.device, local)
-    workers = Workers.spawn(range(1, local), group, path, settings.dtype)
+    init_method, folder = rendezvous(settings)
+    group = Group(0, world, init_method, settings.collective_timeout, settings.device, local)
+    workers = Workers.spawn(range(1, local), group, path, settings.dtype, folder)
     workers.watch(on_worker_exit)
     torch.set_num_threads(threads_per_rank(local))
     channel = group.join()
@@ -201,22 +203,25 @@ def start(settings, path: str, on_worker_exit: Callable[[str], None]) -> tuple[L
 def run_node(settings, path: str) -> int:
     """A node other than 0: its ranks only, until they end; the exit code of the first that failed, else 0."""
     local = settings.ranks_per_node
-    group = Group(0, settings.tensor_parallel_size, rendezvous(settings), settings.collective_timeout,
-                  settings.device, local)
+    init_method, folder = rendezvous(settings)
+    group = Group(0, settings.tensor_parallel_size, init_method, settings.collective_timeout, settings.device, local)
     first = settings.node_rank * local
-    workers = Workers.spawn(range(first, first + local), group, path, settings.dtype)
+    workers = Workers.spawn(range(first, first + local), group, path, settings.dtype, folder)
     codes = []
     for process in workers.processes.values():
         process.join()
         codes.append(process.exitcode)
+    workers.end()
     return next((code for code in codes if code), 0)
 
 
-def rendezvous(settings) -> str:
-    """Where the ranks meet: node 0's address and port, or on one machine a file in a folder of this server's."""
+def rendezvous(settings) -> tuple[str, str | None]:
+    """Where the ranks meet: node 0's address and port, or on one machine a file in a folder of this server's;
+    and that folder, for Workers.end to remove (None for an address)."""
     if settings.master_port:
-        return f"tcp://{settings.master_addr}:{settings.master_port}"
-    return f"file://{tempfile.mkdtemp(prefix='kvserve-tp-')}/rendezvous"
+        return f"tcp://{settings.master_addr}:{settings.master_port}", None
+    folder = tempfile.mkdtemp(prefix="kvserve-tp-")
+    return f"file://{folder}/rendezvous", folder
 
 
 def run_worker(group: Group, path: str, dtype: str) -> None:
@@ -240,11 +245,12 @@ def run_worker(group: Group, path: str, dtype: str) -> None:
 class Workers:
     """This machine's worker processes, and a thread that fails the server when one of them exits."""
 
-    def __init__(self, processes: dict[int, multiprocessing.Process]):
+    def __init__(self, processes: dict[int, multiprocessing.Process], folder: str | None):
         self.processes = processes  # rank -> process
+        self.folder = folder  # the rendezvous file's, removed by end()
 
     @classmethod
-    def spawn(cls, ranks: range, group: Group, path: str, dtype: str) -> "Workers":
+    def spawn(cls, ranks: range, group: Group, path: str, dtype: str, folder: str | None) -> "Workers":
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and torch state
         processes = {}
         for rank in ranks:
@@ -252,7 +258,7 @@ class Workers:
             processes[rank] = context.Process(target=run_worker, name=f"kvserve-rank-{rank}", daemon=True,
                                               args=(worker_group, path, dtype))
             processes[rank].start()
-        return cls(processes)
+        return cls(processes, folder)
 
     def watch(self, on_exit: Callable[[str], None]) -> None:
         """Call on_exit(message naming the rank) from a thread of its own when a worker exits, whatever its code."""
@@ -269,7 +275,10 @@ class Workers:
 
         threading.Thread(target=run, name="kvserve-workers", daemon=True).start()
 
-    def kill(self) -> None:
+    def end(self) -> None:
+        """Kill the workers still running (stopped ones have exited already) and remove the rendezvous folder."""
         for process in self.processes.values():
             if process.is_alive():
                 process.kill()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)

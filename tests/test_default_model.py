@@ -135,8 +135,14 @@ def test_perplexity_matches_transformers(engine, reference):
     assert ours < 12  # a q/k permutation error lands near 25
 
 
+# The question asks for a sentence: asked bare, the model's first token is a near tie between "The" and
+# French words ("L'Étoile...", 0.1 nats apart in float32), which the Q4_1 file served by llama.cpp resolves to
+# French too; asked this way, "The" leads by about 1.5 nats in float32, served as stored, and in llama.cpp.
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
 def test_greedy_chat_answer_names_paris(engine):
-    prompt = engine.tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = engine.tokenizer.render_chat([{"role": "user", "content": QUESTION}])
     ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
     (answer,) = engine.generate([ids], SamplingParams(max_new_tokens=30, temperature=0))
     assert "Paris" in answer.text
@@ -153,7 +159,7 @@ def test_the_gguf_served_as_stored_still_names_paris(model_path, engine):
     assert all(isinstance(m, group_layer(4, torch.device("cpu"))) for m in blocks)
     assert isinstance(quantized.model.lm_head.codes, group_layer(8, torch.device("cpu")))
     assert quantized.weights_bytes < 0.65 * engine.weights_bytes / 2  # well under dense bfloat16
-    prompt = quantized.tokenizer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = quantized.tokenizer.render_chat([{"role": "user", "content": QUESTION}])
     ids = quantized.tokenizer.encode(prompt, add_special_tokens=False)
     (answer,) = quantized.generate([ids], SamplingParams(max_new_tokens=30, temperature=0))
     assert "Paris" in answer.text

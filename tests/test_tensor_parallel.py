@@ -90,9 +90,9 @@ def test_each_rank_reads_the_kv_heads_its_query_heads_use():
     assert [list(Shard(r, 2).vocab_rows(9)) for r in range(2)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
 
 
-def tensor_parallel_server(model: Path, port: int, *flags: str):
+def tensor_parallel_server(model: Path, port: int, *flags: str, **environ: str):
     """`python -m server --tensor-parallel-size 2` on the CPU, started as a user starts it."""
-    env = dict(os.environ, KVSERVE_COMPILE="off")
+    env = dict(os.environ, KVSERVE_COMPILE="off", **environ)
     return start_subprocess("--model", str(model), "--port", str(port), "--device", "cpu", "--dtype", "float32",
                             "--tensor-parallel-size", "2", "--max-batch-size", "2", "--seed", "0", *flags, env=env)
 
@@ -111,10 +111,11 @@ def worker_pids(server_pid: int) -> list[int]:
     return pids
 
 
-def test_a_server_over_two_ranks_answers_as_one_process_does(model_dir):
+def test_a_server_over_two_ranks_answers_as_one_process_does(model_dir, tmp_path):
     path, port = model_dir("gqa"), free_port()
-    process, lines = tensor_parallel_server(path, port, "--max-seq-len", "64")
+    process, lines = tensor_parallel_server(path, port, "--max-seq-len", "64", TMPDIR=str(tmp_path))
     try:
+        assert len(list(tmp_path.glob("kvserve-tp-*/rendezvous"))) == 1  # where the ranks met
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}, "".join(lines)
         whole = Engine.from_pretrained(path, EngineConfig(**SETTINGS))
@@ -139,6 +140,7 @@ def test_a_server_over_two_ranks_answers_as_one_process_does(model_dir):
         assert any("tensor parallel over 2 ranks" in line for line in lines), "".join(lines)
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0  # the workers were told to stop: not a failure
+        assert not list(tmp_path.glob("kvserve-tp-*"))  # the rendezvous folder went with them
     finally:
         if process.poll() is None:
             process.kill()
