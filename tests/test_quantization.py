@@ -49,21 +49,23 @@ def test_our_kernels_build_on_this_machine():
     assert load_kernels() is None  # else every 8-bit layer silently takes the slower int4 halves
 
 
-def test_our_kernels_also_build_and_compute_for_avx2_alone(tmp_path):
-    """This machine's build may take the AVX-512 paths; the AVX2 ones (Zen 3) are built for haswell and run here,
-    in a process of their own: the ops register once per process."""
-    if shutil.which("g++") is None or platform.machine() != "x86_64" or "avx2" not in cpu_description():
-        pytest.skip("needs g++ and an x86-64 CPU with AVX2")
+@pytest.mark.parametrize("arch, feature", [("haswell", "avx2"), ("icelake-server", "avx512_vnni")])
+def test_our_kernels_also_build_and_compute_for_older_cpus(tmp_path, arch, feature):
+    """This machine's build takes the paths its CPU has (AMX, AVX512-VNNI or AVX2); the others are built for an
+    older CPU and run here (haswell: AVX2 alone; icelake-server: AVX512-VNNI without AMX), each in a process of its
+    own: the ops register once per process."""
+    if shutil.which("g++") is None or platform.machine() != "x86_64" or feature not in cpu_description():
+        pytest.skip(f"needs g++ and an x86-64 CPU with {feature}")
     script = f"""
 from pathlib import Path
 import torch
 from engine.native import build
 from engine.quantization import Codes4Linear, Codes8Linear, GroupCodes
 from tests.test_quantization import eight_bit_codes
-build("g++", Path({str(tmp_path / "haswell.so")!r}), arch="haswell")
-torch.ops.load_library({str(tmp_path / "haswell.so")!r})
+build("g++", Path({str(tmp_path / "kernels.so")!r}), arch={arch!r})
+torch.ops.load_library({str(tmp_path / "kernels.so")!r})
 torch.manual_seed(0)
-x = torch.randn(5, 96)
+x = torch.randn(21, 96)
 for codes, kind in ((GroupCodes.fit(torch.randn(37, 96), 4), Codes4Linear), (eight_bit_codes(37, 96), Codes8Linear)):
     exact = x @ codes.dequantize().t()
     print(kind.__name__, ((kind(codes, None, torch.float32)(x) - exact).norm() / exact.norm()).item())

@@ -3,7 +3,8 @@
 //
 // The products are integer dot products, as llama.cpp computes them: each row's group of 32 inputs is
 // quantized to 8 bits (x ≈ d·x̂, d = max|x| / 127), and 16 output rows at once take Σ codes·x̂ in 32-bit
-// integers (AVX512-VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd). The codes are centred on 8 before
+// integers (AVX512-VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd; with AMX, from 8 input rows, AMX's tdpbsud
+// of up to 16 input rows per group: group_product.h). The codes are centred on 8 before
 // their product with the rounding error of x̂ (Σ (q - 8)·x̂ = Σ q·x̂ - 8·Σ x̂), and the rest of each weight
 // (minimum + 8·scale) meets the exact Σ x: the error is that of centred 4-bit weights times 8-bit inputs.
 //

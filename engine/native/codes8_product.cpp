@@ -4,7 +4,7 @@
 // As codes4_product.cpp, integer dot products of 16 output rows at once against the inputs quantized to 8 bits
 // per group of 32, with the codes centred on 128 (Σ (q - 128)·x̂ = Σ q·x̂ - 128·Σ x̂) and the rest of each
 // weight, minimum + 128·scale (zero for Q8_0, whose blocks are d·(q - 128)), meeting the exact Σ x.
-// AVX512-VNNI: vpdpbusd of the unsigned codes and the signed inputs. AVX2: vpmaddubsw of |q - 128| and the
+// AVX512-VNNI: vpdpbusd of the unsigned codes and the signed inputs (AMX, from 8 input rows: tdpbsud). AVX2: vpmaddubsw of |q - 128| and the
 // inputs carrying its sign (|q - 128| <= 128 and |x̂| <= 127, so a pair's sum fits in int16), then vpmaddwd.
 //
 // Layout (`packed`, made by engine/quantization.py): tiles of 16 output rows; per tile and group, 512 bytes in

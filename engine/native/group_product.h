@@ -1,6 +1,7 @@
 // What the 4-bit and 8-bit group-code products share: the inputs quantized to 8 bits per group of 32, and the
 // loop that runs a tile kernel over every 16-row tile of the weight (split over torch's threads) and every
-// input row (in passes of kRowsPerPass rows that share one load of the tile's codes).
+// input row (in passes of kRowsPerPass rows that share one load of the tile's codes; with AMX, of up to 16 rows
+// whose products with a group are one tile product).
 //
 // A product's result: Σ_i w_i·x_i with w_i = s·q_i + m per group, computed as
 //   s·d·Σ (q_i - c)·x̂_i + (m + c·s)·Σ x_i,   x_i ≈ d·x̂_i,  c the codes' centre (8 or 128),
@@ -137,6 +138,111 @@ void run_tile(const uint8_t* packed, const at::Half* scale, const at::Half* mini
 
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KVSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// With AMX, from this many input rows a tile's products run as tile matrix products (one per group) rather than
+// one vpdpbusd per 4 inputs and row: below it, the tile unit's stores and loads cost more than they save.
+constexpr int64_t kAmxFromRows = 8;
+constexpr int kAmxRows = 16;  // input rows per tile product: the most an AMX tile holds
+
+// Linux hands out AMX's tile state only to processes that ask for it, once (then to all their threads).
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// Tiles: 0 and 1 = `rows` input rows' 32 codes of a group (A, signed); 2 and 3 = a group's 8 weight operands, each
+// 4 inputs of 16 output rows, which is AMX's layout for B (unsigned); 4..7 = (rows, 16) int32 dot products of 4
+// groups in a row, so that the tile unit's loads and stores of one group overlap another's.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+
+  explicit TileConfig(int input_rows) {
+    for (int t = 0; t < 2; ++t) bytes_per_row[t] = kGroup, rows[t] = input_rows;
+    for (int t = 2; t < 4; ++t) bytes_per_row[t] = 64, rows[t] = kGroup / 4;
+    for (int t = 4; t < 8; ++t) bytes_per_row[t] = kTile * 4, rows[t] = input_rows;
+  }
+};
+
+constexpr int kAmxGroups = 4;  // groups per pass: one dot-product tile each
+
+// Dot products of groups g..g+n-1 (n <= 4) into dots[i] (rows, 16): tdpbsud, signed inputs times unsigned codes.
+template <typename Codes>
+inline void amx_dots(const uint8_t* packed, const int8_t* inputs, int64_t in, int64_t g, int n,
+                     uint8_t (*weights)[8 * 64], int32_t (*dots)[kAmxRows * kTile]) {
+  for (int i = 0; i < n; ++i) {
+    Operand w[8];
+    Codes::operands(packed + (g + i) * Codes::kTileGroupBytes, 0, w);
+    for (int k = 0; k < 8; ++k) _mm512_store_si512(weights[i] + 64 * k, w[k]);
+  }
+#define KVSERVE_AMX_GROUP(i, a, b, c)                                      \
+  if (i < n) {                                                            \
+    _tile_zero(c);                                                        \
+    _tile_loadd(a, inputs + (g + i) * kGroup, in);                        \
+    _tile_loadd(b, weights[i], 64);                                       \
+    _tile_dpbsud(c, a, b);                                                \
+  }
+  KVSERVE_AMX_GROUP(0, 0, 2, 4)
+  KVSERVE_AMX_GROUP(1, 1, 3, 5)
+  KVSERVE_AMX_GROUP(2, 0, 2, 6)
+  KVSERVE_AMX_GROUP(3, 1, 3, 7)
+#undef KVSERVE_AMX_GROUP
+  _tile_stored(4, dots[0], kTile * 4);  // tiles past n hold nothing that is read
+  if (n > 1) _tile_stored(5, dots[1], kTile * 4);
+  if (n > 2) _tile_stored(6, dots[2], kTile * 4);
+  if (n > 3) _tile_stored(7, dots[3], kTile * 4);
+}
+
+// run_tile for R <= 16 input rows from `row`, the tile's configuration loaded for R: per
+// group, one tdpbsud gives every row's Σ x̂·q for the 16 output rows; the rest is run_tile's, row by row.
+template <typename Codes>
+void run_tile_amx(const uint8_t* packed, const at::Half* scale, const at::Half* minimum, int64_t groups,
+                  const QuantizedRows& x, int64_t row, int R, int64_t in, float* y, int64_t out) {
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) uint8_t weights[kAmxGroups][8 * 64];
+  alignas(64) int32_t dots[kAmxGroups][kAmxRows * kTile];
+  for (int64_t g0 = 0; g0 < groups; g0 += kAmxGroups) {
+    const int n = static_cast<int>(std::min<int64_t>(kAmxGroups, groups - g0));
+    amx_dots<Codes>(packed, x.codes.data() + row * in, in, g0, n, weights, dots);
+    for (int i = 0; i < n; ++i) {
+      const int64_t g = g0 + i;
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kTile)));
+      const __m512 rest = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(Codes::kCentre)), s,
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + g * kTile))));
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (row + r) * groups + g;
+        const __m512i centred = _mm512_sub_epi32(_mm512_load_si512(dots[i] + r * kTile),
+                                                 _mm512_set1_epi32(x.centred_sum[rg]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[rg])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(rest, _mm512_set1_ps(x.sum[rg]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * out, acc[r]);
+}
+
+// Every input row against tiles [begin, end), 16 rows per tile product.
+template <typename Codes>
+void run_tiles_amx(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, int64_t groups,
+                   const QuantizedRows& x, int64_t m, int64_t in, float* y, int64_t padded, int64_t begin, int64_t end) {
+  for (int64_t r = 0; r < m; r += kAmxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m - r));
+    const TileConfig config(rows);
+    _tile_loadconfig(&config);  // per thread, as torch's threads run these tiles
+    for (int64_t t = begin; t < end; ++t)
+      run_tile_amx<Codes>(codes + t * groups * Codes::kTileGroupBytes, scales + t * groups * kTile,
+                          minimums + t * groups * kTile, groups, x, r, rows, in, y + r * padded + t * kTile, padded);
+  }
+  _tile_release();
+}
+#endif
+
 // Codes: kTileGroupBytes (a tile's bytes per group), kCentre (8 or 128), operands(bytes, part, w) (run_tile).
 template <typename Tile>
 at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scale,
@@ -157,6 +263,14 @@ at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const
   const at::Half* scales = scale.data_ptr<at::Half>();
   const at::Half* minimums = minimum.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
+#ifdef KVSERVE_AMX
+  if (m >= kAmxFromRows && amx_permitted()) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      run_tiles_amx<Tile>(codes, scales, minimums, groups, x, m, in, yp, padded, begin, end);
+    });
+    return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
+  }
+#endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* p = codes + t * groups * Tile::kTileGroupBytes;
