@@ -174,24 +174,35 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(b, V) float32 standard Gumbel noise, a pure function of each row's (seed, step) and the token id.
+def uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """(b,) float32 in (0, 1), never 0 or 1: a pure function of each row's seed and step.
 
-    A counter-based generator (splitmix64 over seed, step and token id; int64 arithmetic wraps), so a
-    row draws the same noise alone or in any batch, on any device, with no generator state to carry.
+    A counter-based generator (splitmix64 over seed and step; int64 arithmetic wraps), so a row draws the same
+    number alone or in any batch, on any device, with no generator state to carry.
     """
-    x = seeds[:, None] * SPLITMIX[0] + steps[:, None] * SPLITMIX[1]  # (b, 1)
-    x = x + torch.arange(1, vocab + 1, device=seeds.device) * SPLITMIX[0]  # (b, V)
+    x = seeds * SPLITMIX[0] + steps * SPLITMIX[1]
     x = (x ^ _shift_right(x, 30)) * SPLITMIX[1]
     x = (x ^ _shift_right(x, 27)) * SPLITMIX[2]
     x = x ^ _shift_right(x, 31)
-    uniform = (_shift_right(x, 40).float() + 0.5) / (1 << 24)  # top 24 bits -> (0, 1), never 0 or 1
-    return -(-uniform.log()).log()
+    return (_shift_right(x, 40).float() + 0.5) / (1 << 24)  # top 24 bits
 
 
 def draw(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """One token per row from softmax(scores) (b, V), by the Gumbel-max trick: argmax(scores + noise).
+    """One token per row from softmax(scores) (b, V): the first token whose cumulative weight passes the row's
+    uniform number times the total (inverse transform sampling: one random number per row, not one per token).
 
-    Filtered tokens (-inf) are never drawn, and no probabilities are formed, so nothing can turn NaN.
+    Weights are exp(scores - max): the best token weighs 1, nothing overflows, and a filtered token (-inf) weighs 0,
+    so the cumulative sum is flat across it and no draw lands on it. A token more than 87 below the best (odds
+    under 1e-37) weighs 0 too: exp's results below float32's smallest normal number take it many times longer,
+    and low temperatures put most of a vocabulary there. The target stays below the total, so some token with
+    weight always passes it.
     """
-    return (scores + gumbel_noise(seeds, steps, scores.shape[-1])).argmax(dim=-1)
+    # In place after the first: each new (b, V) float32 tensor costs as much again as the arithmetic on it.
+    weights = scores - scores.max(dim=-1, keepdim=True).values  # (b, V), at most 0
+    negligible = weights < -87.0
+    weights.clamp_(min=-87.0).exp_().masked_fill_(negligible, 0.0)
+    cumulative = weights.cumsum_(dim=-1)  # (b, V), non-decreasing
+    total = cumulative[:, -1:]  # (b, 1), at least 1
+    target = torch.minimum(uniform(seeds, steps)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    token = torch.searchsorted(cumulative, target, right=True)[:, 0]  # first cumulative weight above the target
+    return token.clamp(max=scores.shape[-1] - 1)  # a row with no finite score (NaN throughout) stays in range

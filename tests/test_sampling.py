@@ -187,3 +187,11 @@ def test_repetition_penalty_sees_token_zero_beside_padding():
     penalized = _penalize(logits, [long_row, short_row])
     assert penalized[1].tolist() == [1.0, 2.0, 2.0, 2.0, 2.0]
     assert penalized[0].tolist() == [2.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_draw_never_lands_on_a_token_without_weight():
+    scores = torch.full((500, 6), float("-inf"))
+    scores[:, 2] = 0.0  # the only token with weight, among filtered ones after it and before it
+    scores[:, 0] = -100.0  # odds of e^-100: weighed 0, as float32 cannot tell them from nothing
+    tokens = draw(scores, torch.arange(500), torch.zeros(500, dtype=torch.long))
+    assert (tokens == 2).all()
