@@ -198,14 +198,24 @@ class Engine:
             return "compile is off"
         return compile_unsupported(self.device)
 
+    @property
+    def compile_generates_code(self) -> bool:
+        """Whether compile() generates code (the CPU: inductor, minutes on a large model), rather than having the
+        steps captured as CUDA graphs while they run."""
+        return self.executor.compiles_code
+
     def compile(self) -> bool:
-        """Compile the decode step (blocking: seconds to minutes) unless something blocks it; decoding
-        goes on eagerly meanwhile if another thread steps. True if compiled."""
+        """Compile the decode step (the CPU, blocking: seconds to minutes; decoding goes on eagerly meanwhile if
+        another thread steps), or from the next step on capture it as CUDA graphs (CUDA), unless something blocks
+        it. True if compiled or captured."""
         reason = self.compile_blocker
         if reason:
             log.info("decode stays eager: %s", reason)
             return False
-        self.executor.compile()
+        if self.executor.compiles_code:
+            self.executor.compile()
+        else:
+            self.executor.capture()
         return True
 
     def check_prompt_ids(self, prompt_ids: Sequence[int]) -> None:
@@ -301,8 +311,8 @@ class Engine:
     @property
     def compiled_graphs(self) -> tuple[str, ...]:
         """Decode batch buckets that run as compiled graphs, by the batch sizes they serve ("1", "2+", or ranges
-        split where a layer switches form); the rest run eagerly."""
-        return tuple(self.executor.graphs)
+        split where a layer switches form; the rest run eagerly), or on CUDA the captured graphs ("b4·k512")."""
+        return self.executor.graph_names
 
     @property
     def has_work(self) -> bool:

@@ -12,20 +12,26 @@ scratch cache of the same layout but a few positions, never on the live one, so 
 of its own while the engine keeps decoding eagerly; each graph is used from the first step after it is
 ready. Inductor's FX graph cache keeps the generated code on disk, so a restart compiles again
 quickly (where the cache lives is the process's setting, TORCHINDUCTOR_CACHE_DIR).
+
+On CUDA the step is not compiled but captured: CUDA graphs of the eager step, padded to a few batch sizes and key
+lengths (engine/captured_steps.py).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import shutil
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from engine.attention import broadcast_attention
+from engine.attention import broadcast_attention, grouped_attention
 from engine.batch import DecodeBatch
+from engine.captured_steps import CapturedSteps
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.rope import RotaryTable
@@ -37,9 +43,11 @@ COMPILE_MODES = ("auto", "on", "off")
 
 
 def compile_unsupported(device: torch.device) -> str | None:
-    """Why a compiled decode step cannot run here, or None when it can."""
+    """Why a compiled decode step (CPU) or captured one (CUDA) cannot run here, or None when it can."""
+    if device.type == "cuda":
+        return None
     if device.type != "cpu":
-        return f"compiled decode is implemented for the CPU only so far, not {device.type}"
+        return f"compiled decode is implemented for the CPU and CUDA only, not {device.type}"
     from torch._inductor import config as inductor_config
 
     compiler = inductor_config.cpp.cxx[-1] or "g++"
@@ -83,6 +91,7 @@ class GraphDecodeBatch:
     slot_index: torch.Tensor  # (b,)
     positions: torch.Tensor  # (b, 1)
     mask: torch.Tensor  # (b, 1, 1, kv_len) bool
+    attention: Callable[..., torch.Tensor] = broadcast_attention  # (q, keys, values, mask) -> (b, h_q, 1, d)
 
     def store(self, keys: LayerEntries, values: LayerEntries, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (b, h_kv, 1, d); return the rows' first kv_len positions (b, h_kv, kv_len, d)."""
@@ -98,15 +107,27 @@ class GraphDecodeBatch:
         return data[entries.kind, entries.layer, :, :, : self.mask.shape[-1]][self.slot_index]
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        # Broadcast form: the compiled graph reads keys and values in the cache rather than gathering them.
-        return broadcast_attention(q, keys, values, self.mask)
+        # Compiled, the broadcast form reads keys and values in the cache rather than gathering them; eager (a
+        # captured CUDA graph), it would materialize every product, and grouped_attention runs instead.
+        return self.attention(q, keys, values, self.mask)
 
 
 class DecodeExecutor:
     def __init__(self, model: Transformer, rotary: RotaryTable, cache: KVCache):
         self.model, self.rotary, self.cache = model, rotary, cache
         self.buckets = batch_buckets(model, cache.slots)
-        self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready
+        self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready (CPU)
+        self.captured: CapturedSteps | None = None  # CUDA graphs, captured as each size is first used (CUDA)
+
+    @property
+    def compiles_code(self) -> bool:
+        """Whether compile() generates code (inductor, minutes) rather than capturing CUDA graphs (as steps run)."""
+        return self.cache.data.device.type == "cpu"
+
+    @property
+    def graph_names(self) -> tuple[str, ...]:
+        """The compiled buckets, or the captured (batch size, key length) pairs."""
+        return tuple(self.graphs) + (self.captured.captured if self.captured is not None else ())
 
     def bucket(self, batch_size: int) -> str:
         """The bucket whose range holds batch_size: the last one starting at or below it."""
@@ -114,6 +135,8 @@ class DecodeExecutor:
 
     def forward(self, tokens: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
         """One new token per slot at its length -> next-token logits (b, V) float32."""
+        if self.captured is not None:
+            return self.captured.forward(tokens, slots, lengths)
         device = self.cache.data.device
         token_ids = torch.tensor(tokens, device=device)[:, None]  # (b, 1)
         graph = self.graphs.get(self.bucket(len(tokens)))
@@ -126,11 +149,19 @@ class DecodeExecutor:
                      self.cache.data)
 
     def step(self, tokens: torch.Tensor, slot_index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-             cache_data: torch.Tensor) -> torch.Tensor:
-        """The function that is compiled: the decode forward and the LM head, tensors in, logits out."""
-        batch = GraphDecodeBatch(slot_index, positions, mask)
+             cache_data: torch.Tensor, attention: Callable[..., torch.Tensor] = broadcast_attention) -> torch.Tensor:
+        """The function that is compiled (or captured): the decode forward and the LM head, tensors in, logits out."""
+        batch = GraphDecodeBatch(slot_index, positions, mask, attention)
         hidden = self.model(tokens, self.rotary, CacheLayers(cache_data), batch)  # (b, 1, hidden)
         return self.model.logits(hidden[:, 0])
+
+    def capture(self, graphs: bool = True) -> None:
+        """Decode through CUDA graphs from the next step on, each (batch size, key length) captured at its first use
+        (graphs=False: the same padded steps, run eagerly; the CPU tests the padding so)."""
+        step = functools.partial(self.step, attention=grouped_attention)
+        self.captured = CapturedSteps(step, self.cache, capture=graphs)
+        log.info("decode steps run as CUDA graphs, each batch size (%s) and key length (%s) captured at first use",
+                 ", ".join(map(str, self.captured.batch_sizes)), ", ".join(map(str, self.captured.key_lengths)))
 
     @torch.inference_mode()
     def compile(self) -> None:

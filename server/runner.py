@@ -267,7 +267,7 @@ class EngineRunner:
 
     def _compile(self) -> None:
         try:
-            if self._warm_compile_cache and self.engine.compile_blocker is None:
+            if self._warm_compile_cache and self.engine.compile_blocker is None and self.engine.compile_generates_code:
                 self._warm_compile_cache()
             self.engine.compile()
         except Exception:  # serving goes on eagerly; a compiler failure is a log line, not an outage

@@ -28,3 +28,18 @@ def test_cuda_bfloat16_batch_generation_and_cache_size(tiny_dir):
     assert [len(c.output_ids) for c in completions] == [16, 16, 16]
     again = engine.generate(["Paris"], SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, ignore_eos=True))
     assert again[0].output_ids == completions[1].output_ids
+
+
+def test_cuda_graphs_decode_as_eager_does(tiny_dir):
+    settings = dict(device="cuda", dtype="float32", max_batch_size=4, max_seq_len=128, seed=0)
+    eager = Engine.from_pretrained(tiny_dir, EngineConfig(**settings))
+    graphs = Engine.from_pretrained(tiny_dir, EngineConfig(**settings, compile="on"))
+    assert graphs.compile() and graphs.compiled_graphs == ()  # captured as each size is first used
+    prompts = ["The quick brown fox jumps over", "Paris", "def add(a, b):", "Once upon a time there"]
+    lengths = [90, 12, 25, 33]  # 4 rows, then 3 (padded to 4), 2, 1; the longest past 64 keys into 128
+    greedy = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    got = graphs.generate(prompts, greedy)
+    assert [c.output_ids for c in got] == [c.output_ids for c in eager.generate(prompts, greedy)]
+    assert set(graphs.compiled_graphs) == {"b4·k64", "b2·k64", "b1·k64", "b1·k128"}
+    again = graphs.generate(prompts, greedy)  # replayed, not captured again
+    assert [c.output_ids for c in again] == [c.output_ids for c in got]

@@ -53,6 +53,19 @@ def test_compiled_logits_match_eager(compiled_engine, make_engine):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_the_padded_steps_cuda_graphs_replay_decode_as_eager_does(make_engine):
+    """What a GPU captures, run eagerly on the CPU: batches padded to a power of two by repeating their first row,
+    keys read to a power of two (at least 64) behind the mask. The capture itself is tested in test_cuda.py."""
+    eager, padded = make_engine(max_batch_size=4), make_engine(max_batch_size=4)
+    padded.executor.capture(graphs=False)
+    lengths = [90, 12, 25, 33]  # 4 rows, then 3 (padded to 4), 2, 1; the longest past 64 keys into 128
+    got = padded.generate(PROMPTS, [greedy(n) for n in lengths])
+    assert [c.output_ids for c in got] == [c.output_ids for c in eager.generate(PROMPTS, [greedy(n) for n in lengths])]
+    assert set(padded.compiled_graphs) == {"b4·k64", "b2·k64", "b1·k64", "b1·k128"}
+    seeded = SamplingParams(max_new_tokens=20, temperature=0.9, seed=3, ignore_eos=True)
+    assert padded.generate(PROMPTS[:3], seeded)[2].output_ids == eager.generate(PROMPTS[2:3], seeded)[0].output_ids
+
+
 def test_without_a_compiler_decode_stays_eager(make_engine, monkeypatch, caplog):
     monkeypatch.setattr(executor_module.shutil, "which", lambda name: None)  # the fault: no C++ compiler
     engine = make_engine(compile="auto")
