@@ -77,6 +77,7 @@ class DecodeBatch:
     slots: list[int]
     lengths: list[int]
     device: torch.device
+    reads_cache: bool = False  # attention by kvserve's decode_attention kernel, over the cache where it lies
     slot_index: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)
     mask: torch.Tensor | None = field(init=False)
@@ -98,11 +99,16 @@ class DecodeBatch:
         return max(self.lengths) + 1
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (b, h_kv, 1, d) at each slot's position; return (b, h_kv, kv_len, d) to attend over."""
+        """Write k, v (b, h_kv, 1, d) at each slot's position; return (b, h_kv, kv_len, d) to attend over (or, for
+        the kernel, the layer's whole (B, h_kv, T, d))."""
         keys[self.slot_index, :, self.positions[:, 0]] = k[:, :, 0]
         values[self.slot_index, :, self.positions[:, 0]] = v[:, :, 0]
+        if self.reads_cache:
+            return keys, values
         rows = cache_rows(self.slots, self.slot_index)
         return keys[rows, :, : self.kv_len], values[rows, :, : self.kv_len]
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if self.reads_cache:  # each row's keys 0..position of its slot, read in place
+            return torch.ops.kvserve.decode_attention(q, keys, values, self.slot_index, self.positions)
         return grouped_attention(q, keys, values, self.mask)

@@ -34,6 +34,7 @@ from engine.batch import DecodeBatch
 from engine.captured_steps import CapturedSteps
 from engine.kv_cache import KVCache
 from engine.model import Transformer
+from engine.native import kernels_run_on
 from engine.rope import RotaryTable
 from engine.two_forms import TwoForms
 
@@ -91,24 +92,36 @@ class GraphDecodeBatch:
     slot_index: torch.Tensor  # (b,)
     positions: torch.Tensor  # (b, 1)
     mask: torch.Tensor  # (b, 1, 1, kv_len) bool
-    attention: Callable[..., torch.Tensor] = broadcast_attention  # (q, keys, values, mask) -> (b, h_q, 1, d)
+    # (q, keys, values, mask) -> (b, h_q, 1, d); None: kvserve's decode_attention kernel, over the cache itself
+    attention: Callable[..., torch.Tensor] | None = broadcast_attention
 
     def store(self, keys: LayerEntries, values: LayerEntries, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (b, h_kv, 1, d); return the rows' first kv_len positions (b, h_kv, kv_len, d)."""
-        return self._write(keys, k), self._write(values, v)
+        """Write k, v (b, h_kv, 1, d); return the rows' first kv_len positions (b, h_kv, kv_len, d), or for the
+        kernel the layer's whole (B, h_kv, T, d)."""
+        self._write(keys, k)
+        self._write(values, v)
+        if self.attention is None:
+            return keys.data[keys.kind, keys.layer], values.data[values.kind, values.layer]
+        return self._read(keys), self._read(values)
 
-    def _write(self, entries: LayerEntries, new: torch.Tensor) -> torch.Tensor:
-        """Store one step's K or V of every row, then read each row's slot up to kv_len."""
+    def _write(self, entries: LayerEntries, new: torch.Tensor) -> None:
+        """Store one step's K or V of every row."""
         data, rows = entries.data, self.slot_index[:, None]  # rows (b, 1)
         heads = torch.arange(data.shape[3], device=data.device)[None, :]  # (1, h_kv)
         # Every index a tensor, broadcast to (b, h_kv): one index_put_ on the cache tensor itself.
         index = (torch.full_like(rows, entries.kind), torch.full_like(rows, entries.layer), rows, heads, self.positions)
         data.index_put_(index, new[:, :, 0])  # new (b, h_kv, 1, d) -> (b, h_kv, d) at each (slot, head, position)
-        return data[entries.kind, entries.layer, :, :, : self.mask.shape[-1]][self.slot_index]
+
+    def _read(self, entries: LayerEntries) -> torch.Tensor:
+        """Each row's slot up to kv_len (b, h_kv, kv_len, d)."""
+        return entries.data[entries.kind, entries.layer, :, :, : self.mask.shape[-1]][self.slot_index]
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        # Compiled, the broadcast form reads keys and values in the cache rather than gathering them; eager (a
-        # captured CUDA graph), it would materialize every product, and grouped_attention runs instead.
+        # The kernel reads each row's keys where they lie, once. Compiled without it, the broadcast form reads
+        # them in the cache rather than gathering them; eager (a captured CUDA graph), that form would
+        # materialize every product, and grouped_attention runs instead.
+        if self.attention is None:
+            return torch.ops.kvserve.decode_attention(q, keys, values, self.slot_index, self.positions)
         return self.attention(q, keys, values, self.mask)
 
 
@@ -117,6 +130,7 @@ class DecodeExecutor:
         self.model, self.rotary, self.cache = model, rotary, cache
         self.buckets = batch_buckets(model, cache.slots)
         self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready (CPU)
+        self.reads_cache = kernels_run_on(cache.data.device)  # attention by kvserve's kernel (CPU, where it loads)
         self.captured: CapturedSteps | None = None  # CUDA graphs, captured as each size is first used (CUDA)
 
     @property
@@ -141,7 +155,7 @@ class DecodeExecutor:
         token_ids = torch.tensor(tokens, device=device)[:, None]  # (b, 1)
         graph = self.graphs.get(self.bucket(len(tokens)))
         if graph is None:
-            batch = DecodeBatch(slots, lengths, device)
+            batch = DecodeBatch(slots, lengths, device, self.reads_cache)
             return self.model.logits(self.model(token_ids, self.rotary, self.cache, batch)[:, 0])
         positions = torch.tensor(lengths, device=device)[:, None]  # (b, 1)
         mask = torch.arange(max(lengths) + 1, device=device) <= positions  # (b, kv_len): keys up to its own
@@ -149,8 +163,11 @@ class DecodeExecutor:
                      self.cache.data)
 
     def step(self, tokens: torch.Tensor, slot_index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-             cache_data: torch.Tensor, attention: Callable[..., torch.Tensor] = broadcast_attention) -> torch.Tensor:
-        """The function that is compiled (or captured): the decode forward and the LM head, tensors in, logits out."""
+             cache_data: torch.Tensor, attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """The function that is compiled (or captured): the decode forward and the LM head, tensors in, logits out.
+        attention: as GraphDecodeBatch's; by default kvserve's kernel where it runs, else the broadcast form."""
+        if attention is None and not self.reads_cache:
+            attention = broadcast_attention
         batch = GraphDecodeBatch(slot_index, positions, mask, attention)
         hidden = self.model(tokens, self.rotary, CacheLayers(cache_data), batch)  # (b, 1, hidden)
         return self.model.logits(hidden[:, 0])

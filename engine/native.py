@@ -36,6 +36,11 @@ def load_kernels() -> str | None:
     return reason
 
 
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether kvserve's kernels serve tensors on `device`: the CPU, where they loaded."""
+    return device.type == "cpu" and load_kernels() is None
+
+
 def load_or_build() -> str | None:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:

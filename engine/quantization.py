@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.native import load_kernels
+from engine.native import kernels_run_on
 
 GROUP_SIZE = 32
 QUANTIZE_MODES = ("auto", "none", "int4", "int8")
@@ -246,7 +246,7 @@ def quantized_linear(weight: torch.Tensor | GroupCodes, bias: torch.Tensor | Non
 
 def group_layer(bits: int, device: torch.device) -> type[WeightOnlyLinear]:
     """The layer that serves group codes of `bits` on `device`: kvserve's kernels where they build, else torch's."""
-    if device.type == "cpu" and load_kernels() is None:
+    if kernels_run_on(device):
         return Codes8Linear if bits == 8 else Codes4Linear
     return GroupLinear
 

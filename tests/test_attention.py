@@ -107,3 +107,25 @@ def test_decode_writes_the_same_keys_as_prefill():
     last = block(x[:, 5:], rotary.lookup(step.positions), stepped.layer(0), step)
     torch.testing.assert_close(last[0, 0], expected[0, 5])
     torch.testing.assert_close(stepped.data[:, :, 1, :, :6], whole.data[:, :, 0, :, :6])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_q, h_kv", [(4, 4), (6, 2), (4, 1)])
+def test_our_decode_attention_reads_each_rows_keys_in_the_cache(dtype, h_q, h_kv):
+    """kvserve's kernel (CPU decode) against grouped_attention over each row's keys taken out of the cache; row
+    lengths from one key to several chunks of 256, slots in any order and twice."""
+    from engine.native import load_kernels
+
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(5, h_kv, 700, 32, generator=generator).to(dtype) for _ in range(2))
+    slots, positions = torch.tensor([3, 0, 4, 3, 1]), torch.tensor([[0], [255], [256], [699], [300]])
+    q = torch.randn(5, h_q, 1, 32, generator=generator).to(dtype)
+    got = torch.ops.kvserve.decode_attention(q, keys, values, slots, positions)
+    for r in range(5):
+        n = positions[r, 0] + 1
+        want = grouped_attention(q[r:r + 1].float(), keys[slots[r], None, :, :n].float(),
+                                 values[slots[r], None, :, :n].float(), None)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
+        torch.testing.assert_close(got[r:r + 1].float(), want, atol=tolerance, rtol=tolerance)
