@@ -48,11 +48,28 @@ inline float exp_nonpositive(float x) {
   return p * std::bit_cast<float>(static_cast<int32_t>(n + 127.f) << 23);
 }
 
-// Scratch of one thread: a key or value row, the chunk's scores, the queries in float32.
+constexpr int64_t kKeys = 4;  // keys in flight: four independent sums, where one would wait on each addition
+
+// Scratch of one thread: kKeys key or value rows, the chunk's scores, the queries in float32.
 struct Scratch {
-  std::vector<float> row, scores, queries;
-  Scratch(int64_t g, int64_t d) : row(d), scores(g * kChunk), queries(g * d) {}
+  std::vector<float> rows, scores, queries;
+  Scratch(int64_t g, int64_t d) : rows(kKeys * d), scores(g * kChunk), queries(g * d) {}
 };
+
+// Rows t..t+kKeys-1 (those below n) of `from` (each d wide) in float32; the rest zero.
+template <typename T>
+inline void load_rows(const T* from, int64_t t, int64_t n, int64_t d, float* rows) {
+  for (int64_t i = 0; i < kKeys; ++i) {
+    float* row = rows + i * d;
+    if (t + i < n) {
+      const T* source = from + (t + i) * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) row[j] = to_float(source[j]);
+    } else {
+      std::fill(row, row + d, 0.f);
+    }
+  }
+}
 
 // One chunk [begin, end) of one row's K/V head, for its g query heads (scratch.queries: g·d, scaled by 1/sqrt(d)):
 // each head's maximum score, sum of exp(score - maximum) and Σ exp(score - maximum)·v (d floats).
@@ -60,18 +77,18 @@ template <typename T>
 void attend_chunk(Scratch& scratch, const T* keys, const T* values, int64_t begin, int64_t end, int64_t g, int64_t d,
                   float* maximum, float* total, float* out) {
   const int64_t n = end - begin;
-  float* row = scratch.row.data();
+  const float* r0 = scratch.rows.data();
+  const float *r1 = r0 + d, *r2 = r0 + 2 * d, *r3 = r0 + 3 * d;
   float* scores = scratch.scores.data();  // (g, n)
-  for (int64_t t = 0; t < n; ++t) {
-    const T* k = keys + (begin + t) * d;
-#pragma omp simd
-    for (int64_t j = 0; j < d; ++j) row[j] = to_float(k[j]);
+  for (int64_t t = 0; t < n; t += kKeys) {
+    load_rows(keys + begin * d, t, n, d, scratch.rows.data());
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = scratch.queries.data() + h * d;
-      float s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < d; ++j) s += qh[j] * row[j];
-      scores[h * n + t] = s;
+      float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t j = 0; j < d; ++j) s0 += qh[j] * r0[j], s1 += qh[j] * r1[j], s2 += qh[j] * r2[j], s3 += qh[j] * r3[j];
+      const float sums[kKeys] = {s0, s1, s2, s3};
+      for (int64_t i = 0; i < kKeys && t + i < n; ++i) scores[h * n + t + i] = sums[i];
     }
   }
   for (int64_t h = 0; h < g; ++h) {
@@ -86,15 +103,14 @@ void attend_chunk(Scratch& scratch, const T* keys, const T* values, int64_t begi
     maximum[h] = top, total[h] = sum;
     std::fill(out + h * d, out + (h + 1) * d, 0.f);
   }
-  for (int64_t t = 0; t < n; ++t) {
-    const T* v = values + (begin + t) * d;
-#pragma omp simd
-    for (int64_t j = 0; j < d; ++j) row[j] = to_float(v[j]);
+  for (int64_t t = 0; t < n; t += kKeys) {
+    load_rows(values + begin * d, t, n, d, scratch.rows.data());  // rows past n are zero: their weight is unread
     for (int64_t h = 0; h < g; ++h) {
-      const float p = scores[h * n + t];
+      const float* sh = scores + h * n + t;
+      const float p0 = sh[0], p1 = t + 1 < n ? sh[1] : 0.f, p2 = t + 2 < n ? sh[2] : 0.f, p3 = t + 3 < n ? sh[3] : 0.f;
       float* oh = out + h * d;
 #pragma omp simd
-      for (int64_t j = 0; j < d; ++j) oh[j] += p * row[j];
+      for (int64_t j = 0; j < d; ++j) oh[j] += p0 * r0[j] + p1 * r1[j] + p2 * r2[j] + p3 * r3[j];
     }
   }
 }
@@ -108,11 +124,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const int64_t* slot = slot_index.data_ptr<int64_t>();
   const int64_t* position = positions.data_ptr<int64_t>();
-  std::vector<int64_t> first(b + 1, 0);  // row r's chunks are first[r]..first[r+1] - 1
+  // Row r's chunks are first[r]..first[r+1] - 1, of length[r] keys each (its last one shorter): as few as
+  // chunks of at most kChunk allow, and as even as they can be, so that the threads' shares are too.
+  std::vector<int64_t> first(b + 1, 0), length(b);
   for (int64_t r = 0; r < b; ++r) {
     TORCH_CHECK(0 <= slot[r] && slot[r] < slots && 0 <= position[r] && position[r] < capacity,
                 "slot_index and positions must fall inside the cache");
-    first[r + 1] = first[r] + (position[r] + kChunk) / kChunk;  // position + 1 keys
+    const int64_t chunks = (position[r] + kChunk) / kChunk;  // position + 1 keys
+    length[r] = (position[r] + chunks) / chunks;
+    first[r + 1] = first[r] + chunks;
   }
   std::vector<int64_t> row_of(first[b]);
   for (int64_t r = 0; r < b; ++r) std::fill(row_of.begin() + first[r], row_of.begin() + first[r + 1], r);
@@ -126,7 +146,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     Scratch scratch(g, d);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t chunk = task / h_kv, head = task % h_kv, r = row_of[chunk];
-      const int64_t begin = (chunk - first[r]) * kChunk, end = std::min(begin + kChunk, position[r] + 1);
+      const int64_t begin = (chunk - first[r]) * length[r], end = std::min(begin + length[r], position[r] + 1);
       for (int64_t h = 0; h < g; ++h) {
         const Q* qh = q_data + r * q.stride(0) + (head * g + h) * q.stride(1);
         for (int64_t j = 0; j < d; ++j) scratch.queries[h * d + j] = to_float(qh[j]) * scale;
