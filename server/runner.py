@@ -21,6 +21,7 @@ from typing import Callable
 from engine import Engine, RequestFailed, SamplingParams, TokenEvent
 from engine.request import Status
 from engine.scheduler import SlotState
+from engine.tensor_parallel import PeerLost
 
 log = logging.getLogger("kvserve.runner")
 
@@ -209,7 +210,8 @@ class EngineRunner:
             self._serve()
             self.engine.close()
         except BaseException as e:  # a bug outside a step, or a lost tensor-parallel rank: nothing would serve
-            log.critical("the engine loop stopped:\n%s", traceback.format_exc())
+            if not isinstance(e, PeerLost):  # a lost rank is its message (which names it), not a bug to trace
+                log.critical("the engine loop stopped:\n%s", traceback.format_exc())
             self.fail(f"the engine loop stopped: {type(e).__name__}: {e}")
 
     def fail(self, message: str) -> None:
