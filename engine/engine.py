@@ -13,7 +13,7 @@ import torch
 
 from engine.batch import PrefillBatch
 from engine.cpu_linear import use_fastest_products
-from engine.device import quantized_mode, resolve_device, resolve_dtype
+from engine.device import resolve_device, served_checkpoint
 from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
 from engine.grammar import Grammars, allowed_tokens
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
@@ -128,12 +128,8 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
-        from weights.checkpoint import load_checkpoint
-
         device = resolve_device(config.device)
-        mode = quantized_mode(path, config.quantize, config.dtype, device)
-        dtype = torch.bfloat16 if mode != "none" else resolve_dtype(config.dtype, device)
-        model_config, state = load_checkpoint(path, dtype, codes=mode != "none")
+        model_config, state, mode = served_checkpoint(path, config.quantize, config.dtype, device)
         model = build_model(model_config, state, device, quantize=mode)
         return cls(model, Tokenizer.from_dir(path), config)
 

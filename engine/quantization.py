@@ -172,8 +172,8 @@ class GroupTiles(WeightOnlyLinear):
 
     @property
     def kernel(self):
-        """The torch op for these codes (registered by engine.native.load_kernels)."""
-        raise NotImplementedError
+        """The torch op for these codes, kvserve::codes{bits}_product (registered by engine.native.load_kernels)."""
+        return getattr(torch.ops.kvserve, f"codes{self.bits}_product")
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         y = self.kernel(rows.float().contiguous(), self.packed, self.scale, self.minimum, self.out_features)
@@ -185,10 +185,6 @@ class Codes4Linear(GroupTiles):
     centred on 8 (engine/native/codes4_product.cpp)."""
 
     bits = 4
-
-    @property
-    def kernel(self):
-        return torch.ops.kvserve.codes4_product
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -203,10 +199,6 @@ class Codes8Linear(GroupTiles):
     on 128 (engine/native/codes8_product.cpp)."""
 
     bits = 8
-
-    @property
-    def kernel(self):
-        return torch.ops.kvserve.codes8_product
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:

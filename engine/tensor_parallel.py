@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.device import quantized_mode, resolve_device, resolve_dtype
+from engine.device import resolve_device, served_checkpoint
 from engine.model import Transformer, build_model
 from engine.quantization import GROUP_SIZE, GroupCodes
 from engine.tokenizer import Tokenizer
@@ -222,13 +222,9 @@ def shard_model(config: ModelConfig, state: dict[str, Weight], shard: Shard, dev
 def load_shard(path, device: str, dtype: str, quantize: str, shard: Shard, group: dist.ProcessGroup | None = None
                ) -> tuple[Transformer, Tokenizer]:
     """The rank's part of the checkpoint at `path`, with its tokenizer; weights as `Engine.from_pretrained` serves
-    them (`quantized_mode`)."""
-    from weights.checkpoint import load_checkpoint  # weights builds on engine: imported when used, not at import
-
+    them (`served_checkpoint`)."""
     resolved = resolve_device(device)
-    mode = quantized_mode(path, quantize, dtype, resolved)
-    dtype = torch.bfloat16 if mode != "none" else resolve_dtype(dtype, resolved)
-    config, state = load_checkpoint(path, dtype, codes=mode != "none")
+    config, state, mode = served_checkpoint(path, quantize, dtype, resolved)
     return shard_model(config, state, shard, resolved, group, mode), Tokenizer.from_dir(path)
 
 

@@ -16,7 +16,6 @@ from server.app import create_app
 from server import tensor_parallel
 from server.runner import EngineRunner
 from server.settings import Settings, parse
-from server.tensor_parallel import Workers
 
 
 class Server(uvicorn.Server):
@@ -26,7 +25,7 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.runner = runner
         self.children: list[subprocess.Popen] = []  # a compile-cache warmer, ended with the server
-        self.workers: Workers | None = None  # tensor-parallel ranks 1.. on this machine, ended with the server
+        self.workers: tensor_parallel.Workers | None = None  # tensor-parallel ranks 1.. on this machine, ended with the server
 
     def handle_exit(self, sig, frame) -> None:
         # Open streams end now with an error event, rather than hold the shutdown until they finish.
