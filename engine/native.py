@@ -41,6 +41,11 @@ def kernels_run_on(device: torch.device) -> bool:
     return device.type == "cpu" and load_kernels() is None
 
 
+def kernels_library() -> Path:
+    """Where this machine's build of the kernels lies, once load_kernels has found or made it."""
+    return cached_library(shutil.which(os.environ.get("CXX", "g++")))
+
+
 def load_or_build() -> str | None:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:

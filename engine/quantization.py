@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.native import kernels_run_on
+from engine.product_forms import ProductForms, product_forms
 
 GROUP_SIZE = 32
 QUANTIZE_MODES = ("auto", "none", "int4", "int8")
@@ -146,11 +147,11 @@ class GroupTiles(WeightOnlyLinear):
     Scales and minimums are float16, as GGUF stores them (exact for its blocks).
     """
 
-    compute_dtype = torch.float32
     TILE = 16  # output rows per tile
     bits: int
 
-    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16,
+                 forms: ProductForms | None = None):
         super().__init__()
         if weight.bits != self.bits:
             raise ValueError(f"{type(self).__name__} serves {self.bits}-bit codes, got {weight.bits}-bit ones")
@@ -164,6 +165,7 @@ class GroupTiles(WeightOnlyLinear):
         self.register_buffer("minimum", per_tile(minimum))
         self.bias = bias
         self.activation_dtype = dtype
+        self.forms = forms or product_forms()  # the kernel's form by input rows: by default as measured for this CPU
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -176,7 +178,8 @@ class GroupTiles(WeightOnlyLinear):
         return getattr(torch.ops.kvserve, f"codes{self.bits}_product")
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        y = self.kernel(rows.float().contiguous(), self.packed, self.scale, self.minimum, self.out_features)
+        y = self.kernel(rows.contiguous(), self.packed, self.scale, self.minimum, self.out_features,
+                        self.forms.integer_tiles_from, self.forms.bfloat16_tiles_from)
         return y.to(self.activation_dtype)
 
 

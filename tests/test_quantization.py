@@ -16,6 +16,7 @@ from gguf.quants import dequantize, quantize
 from engine import Engine, EngineConfig, SamplingParams
 from engine.device import cpu_description
 from engine.native import load_kernels, load_or_build
+from engine.product_forms import BFLOAT16_TILES, INTEGER_TILES, ProductForms, crossovers
 from engine.quantization import GroupCodes, GroupLinear, Int8Linear, group_layer
 from tests.test_gguf import write_minimal_gguf
 from weights.gguf_file import GGUFFile
@@ -60,6 +61,7 @@ def test_our_kernels_also_build_and_compute_for_older_cpus(tmp_path, arch, featu
 from pathlib import Path
 import torch
 from engine.native import build
+from engine.product_forms import ProductForms
 from engine.quantization import Codes4Linear, Codes8Linear, GroupCodes
 from tests.test_quantization import eight_bit_codes
 build("g++", Path({str(tmp_path / "kernels.so")!r}), arch={arch!r})
@@ -68,7 +70,8 @@ torch.manual_seed(0)
 x = torch.randn(21, 96)
 for codes, kind in ((GroupCodes.fit(torch.randn(37, 96), 4), Codes4Linear), (eight_bit_codes(37, 96), Codes8Linear)):
     exact = x @ codes.dequantize().t()
-    print(kind.__name__, ((kind(codes, None, torch.float32)(x) - exact).norm() / exact.norm()).item())
+    layer = kind(codes, None, torch.float32, forms=ProductForms())  # dot products: these CPUs have no AMX
+    print(kind.__name__, ((layer(x) - exact).norm() / exact.norm()).item())
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -90,24 +93,35 @@ def eight_bit_codes(out_features: int, in_features: int) -> GroupCodes:
     return GroupCodes(torch.randint(0, 256, (out_features, in_features), dtype=torch.uint8), scale, minimum, bits=8)
 
 
+FORMS = {"dot": ProductForms(), "integer": ProductForms(integer_tiles_from=1), "bfloat16": ProductForms(bfloat16_tiles_from=1)}
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 4, 7, 40])
-def test_our_kernels_are_the_product_with_inputs_quantized_per_group(bits, rows):
+def test_our_kernels_are_the_product_in_every_form(form, bits, rows):
+    """Each form the kernels take (product_forms.py), forced at every row count: dot products and integer tiles
+    with the inputs quantized to 8 bits per group; bfloat16 tiles with the weights and inputs rounded to bfloat16
+    (40 rows: tiles of 16 input rows padded, an odd count of 16-row tiles of the weight)."""
     if load_kernels() is not None:
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    if form != "dot" and not torch.ops.kvserve.tile_forms() & {"integer": INTEGER_TILES, "bfloat16": BFLOAT16_TILES}[form]:
+        pytest.skip(f"this CPU or build has no {form} tiles")
     torch.manual_seed(0)
     # 37 outputs: the last tile padded. Scales and minimums exact in float16, as GGUF holds them.
     codes = eight_bit_codes(37, 96) if bits == 8 else fp16_exact(GroupCodes.fit(torch.randn(37, 96) * 0.05 + 0.02, 4))
-    layer = group_layer(bits, torch.device("cpu"))(codes, torch.randn(37), dtype=torch.float32)
+    layer = group_layer(bits, torch.device("cpu"))(codes, torch.randn(37), dtype=torch.float32, forms=FORMS[form])
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         got = layer(x) - layer.bias
-        one_hot = layer(torch.eye(96)) - layer.bias
+        one_hot = layer(torch.eye(96)) - layer.bias  # every weight, in the same form
     exact = x @ codes.dequantize().t()
     assert got.shape == (rows, 37)
     # 8-bit inputs against centred codes: about 0.5% of the product, as llama.cpp's Q4 x Q8 and Q8 x Q8 products
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
-    torch.testing.assert_close(one_hot, codes.dequantize().t(), atol=1e-5, rtol=1e-5)  # one-hot inputs: exact
+    # one-hot inputs give the weights themselves: exact, or rounded to bfloat16 (8 significant bits)
+    tolerance = 2**-8 if form == "bfloat16" else 1e-5
+    torch.testing.assert_close(one_hot, codes.dequantize().t(), atol=1e-5, rtol=tolerance)
 
 
 def fp16_exact(codes: GroupCodes) -> GroupCodes:
@@ -193,3 +207,15 @@ def test_quantizing_refuses_float32_and_unknown_schemes():
         EngineConfig(quantize="int4", dtype="float32")
     with pytest.raises(ValueError, match="quantize must be one of auto, none, int4, int8"):
         EngineConfig(quantize="int3")
+
+
+def test_each_tile_form_runs_from_where_it_wins_at_every_larger_count():
+    timings = {1: {"dot": 1, "integer": 2, "bfloat16": 5}, 8: {"dot": 4, "integer": 3, "bfloat16": 6},
+               16: {"dot": 8, "integer": 5, "bfloat16": 7}, 32: {"dot": 9, "integer": 6, "bfloat16": 9},
+               64: {"dot": 20, "integer": 12, "bfloat16": 10}, 128: {"dot": 40, "integer": 24, "bfloat16": 15}}
+    assert crossovers(timings) == ProductForms(integer_tiles_from=8, bfloat16_tiles_from=64)
+    timings[32]["bfloat16"] = 5  # a win that a larger count does not keep up would not start the form
+    timings[64]["bfloat16"] = 13
+    assert crossovers(timings) == ProductForms(integer_tiles_from=8, bfloat16_tiles_from=128)
+    without_tiles = {rows: {"dot": forms["dot"]} for rows, forms in timings.items()}
+    assert crossovers(without_tiles) == ProductForms()

@@ -1,9 +1,11 @@
 // What the 4-bit and 8-bit group-code products share: the inputs quantized to 8 bits per group of 32, and the
 // loop that runs a tile kernel over every 16-row tile of the weight (split over torch's threads) and every
-// input row (in passes of kRowsPerPass rows that share one load of the tile's codes; with AMX, of up to 16 rows
-// whose products with a group are one tile product).
+// input row (in passes of kRowsPerPass rows that share one load of the tile's codes; with AMX's integer tiles, of up
+// to 16 rows whose products with a group are one tile product). With AMX's bfloat16 tiles, for many input rows, the
+// weights are instead dequantized to bfloat16 once per call and multiplied by the inputs in bfloat16.
+// The caller says from how many rows each form runs (measured for the CPU at load: engine/product_forms.py).
 //
-// A product's result: Σ_i w_i·x_i with w_i = s·q_i + m per group, computed as
+// A product's result with integer codes: Σ_i w_i·x_i with w_i = s·q_i + m per group, computed as
 //   s·d·Σ (q_i - c)·x̂_i + (m + c·s)·Σ x_i,   x_i ≈ d·x̂_i,  c the codes' centre (8 or 128),
 // so that the rounding error of x̂ meets centred codes, and the rest of each weight meets the exact sum of x.
 #pragma once
@@ -143,9 +145,6 @@ void run_tile(const uint8_t* packed, const at::Half* scale, const at::Half* mini
 #include <sys/syscall.h>
 #include <unistd.h>
 
-// With AMX, from this many input rows a tile's products run as tile matrix products (one per group) rather than
-// one vpdpbusd per 4 inputs and row: below it, the tile unit's stores and loads cost more than they save.
-constexpr int64_t kAmxFromRows = 8;
 constexpr int kAmxRows = 16;  // input rows per tile product: the most an AMX tile holds
 
 // Linux hands out AMX's tile state only to processes that ask for it, once (then to all their threads).
@@ -241,13 +240,132 @@ void run_tiles_amx(const uint8_t* codes, const at::Half* scales, const at::Half*
   }
   _tile_release();
 }
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVSERVE_AMX_BF16 1
+
+// For many input rows, the weights are dequantized once per call into bfloat16 tiles and multiplied by the inputs
+// in bfloat16 (tdpbf16ps, float32 sums): the per-group scaling that the integer tiles need for every 16 input rows
+// is done once per weight instead, and the sums run over all groups in the tile registers.
+constexpr int kBf16Group = kTile * kGroup;  // bfloat16 values of one tile's group: AMX's B operand, 16 rows of 64 bytes
+constexpr int64_t kBf16BlockBytes = 64 * 1024;  // B operands dequantized at a time, per thread
+
+// AMX's B operand of a tile's group: row p holds, for output row o at values 2o and 2o + 1, the weights of inputs 2p
+// and 2p + 1, w = s·q + m rounded to bfloat16.
+template <typename Codes>
+inline void dequantize_group(const uint8_t* bytes, const at::Half* scale, const at::Half* minimum, uint16_t* b) {
+  Operand w[8];
+  Codes::operands(bytes, 0, w);
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  // values 0..15 are one input's 16 outputs, 16..31 the next input's: value 2o <- o, 2o + 1 <- 16 + o
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int k = 0; k < 8; ++k) {  // w[k]: inputs 4k..4k+3, one byte each per output row
+    __m512 v[4];
+    v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(w[k], byte));
+    v[1] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[k], 8), byte));
+    v[2] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[k], 16), byte));
+    v[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(w[k], 24));
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_fmadd_ps(s, v[j], m);
+    for (int h = 0; h < 2; ++h) {  // B row 2k + h: inputs 4k + 2h and 4k + 2h + 1
+      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[2 * h + 1], v[2 * h]));
+      _mm512_storeu_si512(b + (2 * k + h) * 32, _mm512_permutexvar_epi16(pairs, both));
+    }
+  }
+}
+
+// C tiles 4 + 2i + j = A tile i (input rows 16i..16i+15 from `a`) · B tile j (output tile j's groups in `b[j]`),
+// summed over all groups, stored to y (row stride `out`).
+template <int kA, int kB>
+void bf16_block(const uint16_t* a, int64_t in, const uint16_t* const* b, int64_t groups, float* y, int64_t out) {
+  _tile_zero(4);
+  if constexpr (kB > 1) _tile_zero(5);
+  if constexpr (kA > 1) _tile_zero(6);
+  if constexpr (kA > 1 && kB > 1) _tile_zero(7);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(0, a + g * kGroup, in * 2);
+    _tile_loadd(2, b[0] + g * kBf16Group, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if constexpr (kB > 1) {
+      _tile_loadd(3, b[1] + g * kBf16Group, 64);
+      _tile_dpbf16ps(5, 0, 3);
+    }
+    if constexpr (kA > 1) {
+      _tile_loadd(1, a + kAmxRows * in + g * kGroup, in * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      if constexpr (kB > 1) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, y, out * 4);
+  if constexpr (kB > 1) _tile_stored(5, y + kTile, out * 4);
+  if constexpr (kA > 1) _tile_stored(6, y + kAmxRows * out, out * 4);
+  if constexpr (kA > 1 && kB > 1) _tile_stored(7, y + kAmxRows * out + kTile, out * 4);
+}
+
+// Tiles [begin, end) against all `rows` (a multiple of 16) bfloat16 input rows `a`, two tiles and 32 rows at a time.
+template <typename Codes>
+void run_tiles_bf16(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, int64_t groups,
+                    const uint16_t* a, int64_t rows, int64_t in, float* y, int64_t padded, int64_t begin, int64_t end) {
+  TileConfig config(kAmxRows);
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kAmxRows;
+  _tile_loadconfig(&config);
+  // Blocks of tiles (kBf16BlockBytes of B operands, at least two tiles), each dequantized once and then run against
+  // every 32 input rows in turn: a block stays in cache while the rows pass it, and 32 rows while the block's tiles do.
+  const int64_t tile_bytes = groups * kBf16Group * 2;
+  const int64_t block = std::max<int64_t>(2, kBf16BlockBytes / tile_bytes / 2 * 2);
+  thread_local std::vector<uint16_t> weights;  // kept per thread between calls: its pages are not faulted in again
+  if (weights.size() < static_cast<size_t>(block * groups * kBf16Group)) weights.resize(block * groups * kBf16Group);
+  for (int64_t t0 = begin; t0 < end; t0 += block) {
+    const int64_t n = std::min(block, end - t0);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t tg = (t0 + j) * groups + g;
+        dequantize_group<Codes>(codes + tg * Codes::kTileGroupBytes, scales + tg * kTile, minimums + tg * kTile,
+                                weights.data() + (j * groups + g) * kBf16Group);
+      }
+    for (int64_t r = 0; r < rows; r += 2 * kAmxRows) {
+      const uint16_t* ar = a + r * in;
+      const bool two_rows = r + kAmxRows < rows;
+      for (int64_t j = 0; j < n; j += 2) {
+        const uint16_t* b[2] = {weights.data() + j * groups * kBf16Group, weights.data() + (j + 1) * groups * kBf16Group};
+        float* yr = y + r * padded + (t0 + j) * kTile;
+        if (j + 1 < n && two_rows) bf16_block<2, 2>(ar, in, b, groups, yr, padded);
+        else if (j + 1 < n) bf16_block<1, 2>(ar, in, b, groups, yr, padded);
+        else if (two_rows) bf16_block<2, 1>(ar, in, b, groups, yr, padded);
+        else bf16_block<1, 1>(ar, in, b, groups, yr, padded);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 #endif
 
+// The forms a product can take besides vector dot products, as bits: what this build and process can run.
+constexpr int64_t kIntegerTiles = 1, kBfloat16Tiles = 2;
+
+inline int64_t tile_forms() {
+  int64_t forms = 0;
+#ifdef KVSERVE_AMX
+  if (amx_permitted()) forms |= kIntegerTiles;
+#endif
+#ifdef KVSERVE_AMX_BF16
+  if (amx_permitted()) forms |= kBfloat16Tiles;
+#endif
+  return forms;
+}
+
 // Codes: kTileGroupBytes (a tile's bytes per group), kCentre (8 or 128), operands(bytes, part, w) (run_tile).
+// integer_tiles_from, bfloat16_tiles_from: the input rows from which those forms run, where this build has them
+// (measured for the CPU at load: engine/product_forms.py); below both, vector dot products.
 template <typename Tile>
 at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scale,
-                         const at::Tensor& minimum, int64_t out_features) {
-  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.is_contiguous(), "rows: contiguous float32 (m, in)");
+                         const at::Tensor& minimum, int64_t out_features, int64_t integer_tiles_from,
+                         int64_t bfloat16_tiles_from) {
+  TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
+                  rows.is_contiguous(), "rows: contiguous float32 or bfloat16 (m, in)");
   const int64_t m = rows.size(0), in = rows.size(1), groups = in / kGroup, tiles = packed.size(0);
   TORCH_CHECK(in % kGroup == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) == groups * Tile::kTileGroupBytes, "packed: contiguous uint8 (tiles, groups · tile bytes)");
@@ -257,14 +375,34 @@ at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const
   TORCH_CHECK(0 < out_features && out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
               "out_features must fall in the last tile");
   const int64_t padded = tiles * kTile;
-  at::Tensor y = at::empty({m, padded}, rows.options());
-  const QuantizedRows x(rows.data_ptr<float>(), m, in, Tile::kCentre);
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const at::Half* scales = scale.data_ptr<at::Half>();
   const at::Half* minimums = minimum.data_ptr<at::Half>();
+#ifdef KVSERVE_AMX_BF16
+  if (m >= bfloat16_tiles_from && amx_permitted()) {
+    const int64_t rows16 = (m + kAmxRows - 1) / kAmxRows * kAmxRows;  // whole tiles of input rows, padded with zeros
+    at::Tensor a = rows;
+    if (rows16 != m || rows.scalar_type() != at::kBFloat16) {
+      a = at::empty({rows16, in}, rows.options().dtype(at::kBFloat16));
+      a.narrow(0, 0, m).copy_(rows);
+      a.narrow(0, m, rows16 - m).zero_();
+    }
+    at::Tensor y16 = at::empty({rows16, padded}, rows.options().dtype(at::kFloat));
+    const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+    float* y16p = y16.data_ptr<float>();
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      run_tiles_bf16<Tile>(codes, scales, minimums, groups, ap, rows16, in, y16p, padded, 2 * begin,
+                           std::min(2 * end, tiles));
+    });
+    return y16.narrow(0, 0, m).narrow(1, 0, out_features).contiguous();
+  }
+#endif
+  at::Tensor y = at::empty({m, padded}, rows.options().dtype(at::kFloat));
+  const at::Tensor rows32 = rows.to(at::kFloat);  // the integer forms quantize float32 inputs
+  const QuantizedRows x(rows32.data_ptr<float>(), m, in, Tile::kCentre);
   float* yp = y.data_ptr<float>();
 #ifdef KVSERVE_AMX
-  if (m >= kAmxFromRows && amx_permitted()) {
+  if (m >= integer_tiles_from && amx_permitted()) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       run_tiles_amx<Tile>(codes, scales, minimums, groups, x, m, in, yp, padded, begin, end);
     });
@@ -288,8 +426,8 @@ at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const
 // The output's shape for torch.compile's tracing: symbolic rows, so a graph traced with a dynamic row count keeps
 // it dynamic.
 inline at::Tensor group_product_meta(const at::Tensor& rows, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     int64_t out_features) {
-  return at::empty_symint({rows.sym_size(0), c10::SymInt(out_features)}, rows.options());
+                                     int64_t out_features, int64_t, int64_t) {
+  return at::empty_symint({rows.sym_size(0), c10::SymInt(out_features)}, rows.options().dtype(at::kFloat));
 }
 
 }  // namespace kvserve

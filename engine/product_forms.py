@@ -1,0 +1,133 @@
+"""Where kvserve's group-code products change form, measured once for the CPU found.
+
+kvserve::codes4_product and codes8_product (engine/native/group_product.h) run in one of three forms: vector
+dot products (AVX2 or AVX512-VNNI), AMX's integer tiles (one tile product per group for up to 16 input rows) or
+AMX's bfloat16 tiles (the weights dequantized once per call, then summed over every group in the tile registers).
+Which is fastest depends on the number of input rows and on the CPU: a tile product's loads and stores are not
+repaid by a few rows, and dequantizing every weight pays off only over many. So the forms are timed against each
+other at row counts from 1 to 256 when the kernels first load on a machine, and the counts where they cross are
+written beside the kernels' library: every later process there reads the same counts, so compiled graphs, which
+hold them as constants, stay the same from one start to the next.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.native import kernels_library, load_kernels
+
+log = logging.getLogger("kvserve.product_forms")
+
+NEVER = 2**62  # a row count no product reaches
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TIMED_CALLS = 3  # per form and row count, after one warm-up call; the fastest is kept (the host is shared)
+LAYERS = 8
+INTEGER_TILES, BFLOAT16_TILES = 1, 2  # kvserve::tile_forms()'s bits
+
+
+@dataclass(frozen=True)
+class ProductForms:
+    """The input rows from which each tile form runs; below both, vector dot products."""
+
+    integer_tiles_from: int = NEVER
+    bfloat16_tiles_from: int = NEVER
+
+    def __post_init__(self) -> None:
+        if self.integer_tiles_from < 1 or self.bfloat16_tiles_from < 1:
+            raise ValueError(f"row counts must be >= 1, got {self}")
+
+    def described(self) -> str:
+        parts = [f"integer tiles from {self.integer_tiles_from} rows" if self.integer_tiles_from < NEVER else "",
+                 f"bfloat16 tiles from {self.bfloat16_tiles_from} rows" if self.bfloat16_tiles_from < NEVER else ""]
+        return ", ".join(p for p in parts if p) or "dot products at every row count"
+
+
+@functools.cache  # once per process, as the kernels load
+def product_forms() -> ProductForms:
+    """This machine's crossovers: read beside the kernels' library, or measured now and written there."""
+    if load_kernels() is not None:
+        return ProductForms()
+    path = kernels_library().with_suffix(".forms.json")
+    if not path.exists():
+        forms, timings = measure()
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as file:
+            json.dump(asdict(forms), file)
+        try:
+            os.link(file.name, path)  # the first process to finish decides: all of them then read the same counts
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(file.name)
+        log.info("quantized products on this CPU: %s (ms per form for 8 layers, by rows: %s)", forms.described(), timings)
+    return ProductForms(**json.loads(path.read_text()))
+
+
+def measure() -> tuple[ProductForms, str]:
+    """The forms this build and process can run, timed on 8 layers of 1024 x 1024 4-bit codes (4 MiB: more than a
+    core's L2 cache, as a model's weights are); with the timings, described."""
+    available = torch.ops.kvserve.tile_forms()
+    candidates = {"dot": ProductForms()}
+    if available & INTEGER_TILES:
+        candidates["integer"] = ProductForms(integer_tiles_from=1)
+    if available & BFLOAT16_TILES:
+        candidates["bfloat16"] = ProductForms(bfloat16_tiles_from=1)
+    if len(candidates) == 1:
+        return ProductForms(), "no tile forms here"
+    generator = torch.Generator().manual_seed(0)
+    features, tiles, groups = 1024, 1024 // 16, 1024 // 32
+    layers = [(torch.randint(0, 256, (tiles, groups * 256), dtype=torch.uint8, generator=generator),  # the codes
+               (torch.rand(tiles, groups, 16, generator=generator) * 0.01).half(),  # scales
+               (torch.randn(tiles, groups, 16, generator=generator) * 0.01).half())  # minimums
+              for _ in range(LAYERS)]
+
+    def product(x: torch.Tensor, forms: ProductForms) -> None:
+        for codes, scale, minimum in layers:
+            torch.ops.kvserve.codes4_product(x, codes, scale, minimum, features, forms.integer_tiles_from,
+                                             forms.bfloat16_tiles_from)
+
+    timings = {}
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, features, generator=generator)
+        timings[rows] = {name: fastest(lambda: product(x, forms)) for name, forms in candidates.items()}
+    described = "; ".join(f"{rows}: " + "/".join(f"{name} {1e3 * s:.2f}" for name, s in forms.items())
+                          for rows, forms in timings.items())
+    return crossovers(timings), described
+
+
+def fastest(call) -> float:
+    call()
+    times = []
+    for _ in range(TIMED_CALLS):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def crossovers(timings: dict[int, dict[str, float]]) -> ProductForms:
+    """The forms from seconds per form ("dot", "integer", "bfloat16") by row count: bfloat16 tiles from the least
+    count from which they are the fastest at every larger count measured; below that, integer tiles from the least
+    count from which they beat dot products at every larger one."""
+    counts = sorted(timings)
+    bfloat16_from = run_start(counts, lambda rows: timings[rows].get("bfloat16") == min(timings[rows].values()))
+    below = [rows for rows in counts if rows < bfloat16_from]
+    integer_from = run_start(below, lambda rows: timings[rows].get("integer", NEVER) <= timings[rows]["dot"])
+    return ProductForms(integer_tiles_from=integer_from, bfloat16_tiles_from=bfloat16_from)
+
+
+def run_start(counts: list[int], wins) -> int:
+    """The least of `counts` (ascending) from which `wins` holds for it and every larger one; NEVER if none."""
+    start = NEVER
+    for rows in reversed(counts):
+        if not wins(rows):
+            break
+        start = rows
+    return start
