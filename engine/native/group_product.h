@@ -36,10 +36,18 @@ struct QuantizedRows {
   std::vector<float> scale, sum;  // (m, groups)
   std::vector<int32_t> centred_sum;  // (m, groups)
 
-  QuantizedRows(const float* x, int64_t m, int64_t in, int32_t centre)
-      : codes(m * in), scale(m * in / kGroup), sum(m * in / kGroup), centred_sum(m * in / kGroup) {
-    for (int64_t i = 0; i < m * in / kGroup; ++i) {
-      const float* v = x + i * kGroup;
+  // rows: (m, in) float32 or bfloat16, contiguous.
+  QuantizedRows(const at::Tensor& rows, int32_t centre)
+      : codes(rows.numel()), scale(rows.numel() / kGroup), sum(rows.numel() / kGroup), centred_sum(rows.numel() / kGroup) {
+    if (rows.scalar_type() == at::kBFloat16) quantize(rows.data_ptr<at::BFloat16>(), centre);
+    else quantize(rows.data_ptr<float>(), centre);
+  }
+
+  template <typename T>
+  void quantize(const T* x, int32_t centre) {
+    for (size_t i = 0; i < scale.size(); ++i) {
+      float v[kGroup];
+      for (int64_t j = 0; j < kGroup; ++j) v[j] = static_cast<float>(x[i * kGroup + j]);
       float largest = 0, total = 0;
       for (int64_t j = 0; j < kGroup; ++j) largest = std::max(largest, std::fabs(v[j])), total += v[j];
       const float inverse = largest > 0 ? 127.f / largest : 0.f;
@@ -398,8 +406,7 @@ at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const
   }
 #endif
   at::Tensor y = at::empty({m, padded}, rows.options().dtype(at::kFloat));
-  const at::Tensor rows32 = rows.to(at::kFloat);  // the integer forms quantize float32 inputs
-  const QuantizedRows x(rows32.data_ptr<float>(), m, in, Tile::kCentre);
+  const QuantizedRows x(rows, Tile::kCentre);
   float* yp = y.data_ptr<float>();
 #ifdef KVSERVE_AMX
   if (m >= integer_tiles_from && amx_permitted()) {
