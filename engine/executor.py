@@ -187,7 +187,9 @@ class DecodeExecutor:
         # resized), so the graphs skip dynamo's guards on them: checking hundreds of tensors took about
         # as long, at batch 1, as the step's attention.
         unguarded = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        compiled = torch.compile(self.step, options={"guard_filter_fn": unguarded})
+        # cpp_wrapper: the code that calls a step's few hundred kernels is C++ too, not Python (a sixth of a batch-1
+        # step of the default model, measured side by side; a cold compile takes longer).
+        compiled = torch.compile(self.step, options={"guard_filter_fn": unguarded, "cpp_wrapper": True})
         first = time.perf_counter()
         for name, (batch_size, largest) in ((name, self.sizes(name)) for name in self.buckets):
             started = time.perf_counter()
