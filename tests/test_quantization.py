@@ -219,3 +219,20 @@ def test_each_tile_form_runs_from_where_it_wins_at_every_larger_count():
     assert crossovers(timings) == ProductForms(integer_tiles_from=8, bfloat16_tiles_from=128)
     without_tiles = {rows: {"dot": forms["dot"]} for rows, forms in timings.items()}
     assert crossovers(without_tiles) == ProductForms()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rows", [5, 32])
+def test_our_kernels_take_bfloat16_rows_as_the_same_values_in_float32(form, rows):
+    """A model computing in bfloat16 hands its rows over as they are (32 rows: whole tiles of input rows, which
+    the bfloat16 form reads in place)."""
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    if form != "dot" and not torch.ops.kvserve.tile_forms() & {"integer": INTEGER_TILES, "bfloat16": BFLOAT16_TILES}[form]:
+        pytest.skip(f"this CPU or build has no {form} tiles")
+    torch.manual_seed(0)
+    layer = group_layer(4, torch.device("cpu"))(GroupCodes.fit(torch.randn(37, 96), 4), None, dtype=torch.float32,
+                                                forms=FORMS[form])
+    x = torch.randn(rows, 96).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), layer(x.float()), atol=0, rtol=0)
