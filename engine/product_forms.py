@@ -29,7 +29,7 @@ log = logging.getLogger("kvserve.product_forms")
 NEVER = 2**62  # a row count no product reaches
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TIMED_CALLS = 3  # per form and row count, after one warm-up call; the fastest is kept (the host is shared)
-LAYERS = 8
+LAYERS = 8  # timed in turn, 4 MiB of codes: more than a core's cache holds, as a model's weights are
 INTEGER_TILES, BFLOAT16_TILES = 1, 2  # kvserve::tile_forms()'s bits
 
 
@@ -57,7 +57,7 @@ def product_forms() -> ProductForms:
         return ProductForms()
     path = kernels_library().with_suffix(".forms.json")
     if not path.exists():
-        forms, timings = measure()
+        forms, described = measure()
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as file:
             json.dump(asdict(forms), file)
         try:
@@ -66,13 +66,14 @@ def product_forms() -> ProductForms:
             pass
         finally:
             os.unlink(file.name)
-        log.info("quantized products on this CPU: %s (ms per form for 8 layers, by rows: %s)", forms.described(), timings)
+        log.info("quantized products on this CPU: %s (ms per form for %d layers, by rows: %s)", forms.described(), LAYERS,
+                 described)
     return ProductForms(**json.loads(path.read_text()))
 
 
 def measure() -> tuple[ProductForms, str]:
-    """The forms this build and process can run, timed on 8 layers of 1024 x 1024 4-bit codes (4 MiB: more than a
-    core's L2 cache, as a model's weights are); with the timings, described."""
+    """The forms this build and process can run, timed on LAYERS layers of 1024 x 1024 4-bit codes; with the
+    timings, described."""
     available = torch.ops.kvserve.tile_forms()
     candidates = {"dot": ProductForms()}
     if available & INTEGER_TILES:
