@@ -104,13 +104,18 @@ def measure() -> tuple[ProductForms, str]:
 
 
 def fastest(call) -> float:
+    return min(call_seconds(call, TIMED_CALLS))
+
+
+def call_seconds(call, calls: int) -> list[float]:
+    """The seconds of each of `calls` calls, after one warm-up call (also how engine/two_forms.py times its forms)."""
     call()
     times = []
-    for _ in range(TIMED_CALLS):
+    for _ in range(calls):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
 def crossovers(timings: dict[int, dict[str, float]]) -> ProductForms:

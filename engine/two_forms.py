@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 
 import torch
 from torch import nn
@@ -26,6 +25,7 @@ from torch import nn
 from engine.cpu_linear import CpuLinear, dense_linear
 from engine.device import cpu_has_native_bf16
 from engine.packed_linear import PackedLinear, packs_bfloat16
+from engine.product_forms import call_seconds
 from engine.quantization import WeightOnlyLinear
 
 log = logging.getLogger("kvserve.two_forms")
@@ -159,12 +159,6 @@ def seconds(layers: list[nn.Module], rows: int) -> float:
         for layer, x in zip(layers, inputs):
             layer(x)
 
-    run()
-    calls = []
-    for _ in range(TIMED_CALLS):
-        started = time.perf_counter()
-        run()
-        calls.append(time.perf_counter() - started)
-    return statistics.median(calls)
+    return statistics.median(call_seconds(run, TIMED_CALLS))
 
 
