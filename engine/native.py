@@ -41,18 +41,24 @@ def kernels_run_on(device: torch.device) -> bool:
     return device.type == "cpu" and load_kernels() is None
 
 
+def cxx() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else g++; None where it is not installed."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+@functools.cache  # its name hashes every source and asks the compiler its version: once per process
 def kernels_library() -> Path:
-    """Where this machine's build of the kernels lies, once load_kernels has found or made it."""
-    return cached_library(shutil.which(os.environ.get("CXX", "g++")))
+    """Where this machine's build of the kernels lies (load_kernels finds or makes it there)."""
+    return cached_library(cxx())
 
 
 def load_or_build() -> str | None:
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    compiler = cxx()
     if compiler is None:
         return "no C++ compiler"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"they are written for x86-64, not {platform.machine()}"
-    library = cached_library(compiler)
+    library = kernels_library()
     if not library.exists():
         try:
             build(compiler, library)

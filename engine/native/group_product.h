@@ -174,6 +174,13 @@ struct alignas(64) TileConfig {
     for (int t = 2; t < 4; ++t) bytes_per_row[t] = 64, rows[t] = kGroup / 4;
     for (int t = 4; t < 8; ++t) bytes_per_row[t] = kTile * 4, rows[t] = input_rows;
   }
+
+  // The bfloat16 tiles' (bf16_block): 0, 1 inputs, 2, 3 weights, 4..7 float32 sums, each 16 rows of 64 bytes.
+  static TileConfig bfloat16() {
+    TileConfig config(kAmxRows);
+    for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kAmxRows;
+    return config;
+  }
 };
 
 constexpr int kAmxGroups = 4;  // groups per pass: one dot-product tile each
@@ -316,8 +323,7 @@ void bf16_block(const uint16_t* a, int64_t in, const uint16_t* const* b, int64_t
 template <typename Codes>
 void run_tiles_bf16(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, int64_t groups,
                     const uint16_t* a, int64_t rows, int64_t in, float* y, int64_t padded, int64_t begin, int64_t end) {
-  TileConfig config(kAmxRows);
-  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kAmxRows;
+  const TileConfig config = TileConfig::bfloat16();
   _tile_loadconfig(&config);
   // Blocks of tiles (kBf16BlockBytes of B operands, at least two tiles), each dequantized once and then run against
   // every 32 input rows in turn: a block stays in cache while the rows pass it, and 32 rows while the block's tiles do.
