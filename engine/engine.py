@@ -15,7 +15,7 @@ from engine.batch import PrefillBatch
 from engine.cpu_linear import use_fastest_products
 from engine.device import resolve_device, served_checkpoint
 from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
-from engine.grammar import Grammars, allowed_tokens
+from engine.grammar import Grammars, allowed_tokens, short
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.model import Transformer, build_model
 from engine.quantization import QUANTIZE_MODES, WeightOnlyLinear, weights_bytes
@@ -351,9 +351,9 @@ class Engine:
             return [self._fail(requests[0], f"generation failed: {type(e).__name__}: {e}")]
         return [self._append(r, choice) for r, choice in zip(requests, choices) if choice is not None]
 
-    def _fail(self, request: Request, message: str) -> RequestFailed:
+    def _fail(self, request: Request, message: str, by_grammar: bool = False) -> RequestFailed:
         self._finish(request, FinishReason.ERROR)
-        return RequestFailed(request.request_id, message)
+        return RequestFailed(request.request_id, message, by_grammar)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """The request ends: its slot (or queue place) is free for the next step, keeping the tokens it wrote
@@ -432,8 +432,11 @@ class Engine:
 
     def _append(self, request: Request, choice: Choice) -> TokenEvent | RequestFailed:
         token = choice.token
-        if request.grammar is not None and not request.grammar.consume_token(token):  # only if it allowed nothing
-            return self._fail(request, f"the grammar allows no token here: {request.grammar.get_error()}")
+        grammar = request.grammar
+        # The matcher fails only past one of its limits (a step's work, say), or where it allowed no token at all.
+        if grammar is not None and (grammar.is_error() or not grammar.consume_token(token)):
+            return self._fail(request, f"the grammar failed after {len(request.output_ids)} tokens: "
+                                       f"{short(grammar.get_error()) or 'it allows no token here'}", by_grammar=True)
         request.output_ids.append(token)
         text = request.detokenizer.push(token) if request.detokenizer else ""
         reason, stop_string = self._finish_reason(request, token, text)

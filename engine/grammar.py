@@ -19,10 +19,14 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
+from engine.json_schema import checked
 from engine.sampling import InvalidParameter
 
+# llguidance's default bounds on a grammar's size and work per step, without its parser state in error messages
+# (kilobytes of it, which are no client's business).
+LIMITS = LLParserLimits(verbose_errors=False)
 COMPILED_KEPT = 256  # grammars kept compiled, least recently used first out
 # JSON without free whitespace between tokens: with it, a weak model under greedy decoding may emit spaces
 # forever and never close the object.
@@ -30,9 +34,12 @@ COMPACT_JSON = {"whitespace_flexible": False}
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
-    """Grammar text for JSON values that match `schema` (True or {}: any JSON value), compact."""
+    """Grammar text for JSON values that match `schema` (True or {}: any JSON value), compact; InvalidParameter
+    for a schema that llguidance refuses or that no finite value matches (engine/json_schema.py)."""
+    if schema is True:
+        schema = {}
     try:
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT_JSON)
+        return LLMatcher.grammar_from_json_schema(json.dumps(checked(schema)), defaults=COMPACT_JSON)
     except ValueError as e:
         raise InvalidParameter(f"invalid JSON schema: {e}") from None
 
@@ -74,9 +81,13 @@ class Grammars:
             if grammar in self._compiled:
                 self._compiled.move_to_end(grammar)
                 return self._compiled[grammar]
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)  # seconds at worst; llguidance drops the GIL
-        if matcher.is_error():
-            raise InvalidParameter(f"invalid grammar: {matcher.get_error()}")
+        # Seconds at worst, bounded by llguidance's limits (grammar size, lexer fuel); it drops the GIL.
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
+        first = matcher.deep_copy()
+        first.compute_bitmask()  # the first step's mask, as decoding will ask for it: errors that only show then
+        for failed in (matcher, first):
+            if failed.is_error():
+                raise InvalidParameter(f"invalid grammar: {short(failed.get_error())}")
         with self._lock:
             self._compiled[grammar] = matcher
             while len(self._compiled) > COMPILED_KEPT:
@@ -86,6 +97,11 @@ class Grammars:
     def start(self, grammar: str) -> LLMatcher:
         """A matcher of its own for one sequence, at the grammar's start."""
         return self.compile(grammar).deep_copy()
+
+
+def short(error: str) -> str:
+    """llguidance's error message without the parser state it may append (a block from a line that opens "<")."""
+    return " ".join(error.split("\n<", 1)[0].split())[:1000]
 
 
 def allowed_tokens(matchers: list[LLMatcher | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:

@@ -52,6 +52,7 @@ class RequestFailed:
 
     request_id: str
     message: str
+    by_grammar: bool = False  # the request's grammar failed (a limit of llguidance's): the client's schema, not us
 
 
 @dataclass

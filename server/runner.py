@@ -264,7 +264,7 @@ class EngineRunner:
     @staticmethod
     def _timed(event: TokenEvent | RequestFailed, now: float, step_started: float) -> Timed | Failure:
         if isinstance(event, RequestFailed):  # this request alone: the rest of its batch went on
-            return Failure(event.message)
+            return Failure(event.message, 422, "grammar") if event.by_grammar else Failure(event.message)
         return Timed(event, now, step_started if event.index == 0 else None)
 
     def _compile(self) -> None:

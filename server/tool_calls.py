@@ -15,9 +15,12 @@ enforced by a grammar, so the reply is a call whose arguments follow the functio
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import uuid
+
+from engine.json_schema import checked, rooted_at, subschemas
 
 PARSERS = ("auto", "hermes", "llama3")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -68,8 +71,11 @@ def grammar(tools: list[dict], name: str | None, parallel: bool, form: str = "he
     `tools`; one call, or with `parallel` one or more."""
     key = "parameters" if form == "llama3" else "arguments"
     offered = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, key: closed(f)},
-                         "required": ["name", key], "additionalProperties": False} for f in offered],
+    # Each function's parameters lie under $defs, their own references rooted there: pydantic's nested models
+    # refer to "#/$defs/...", which inside this wrapper would name the wrapper's.
+    schema = {"$defs": {f"tool{i}": rooted_at(checked(closed(f)), f"#/$defs/tool{i}") for i, f in enumerate(offered)},
+              "anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, key: {"$ref": f"#/$defs/tool{i}"}},
+                         "required": ["name", key], "additionalProperties": False} for i, f in enumerate(offered)],
               "x-guidance": {"whitespace_flexible": False}}  # compact JSON, as for response formats
     if form == "llama3":
         return "\n".join(["start: call (\";\" call)*" if parallel else "start: call", f"call: %json {json.dumps(schema)}"])
@@ -80,11 +86,16 @@ def grammar(tools: list[dict], name: str | None, parallel: bool, form: str = "he
 
 def closed(function: dict) -> dict:
     """A function's parameter schema, with no arguments beyond those it names unless it says otherwise (as
-    OpenAI's strict calls): a small model left free to add keys may never close the object."""
+    OpenAI's strict calls), in nested objects with named properties too (pydantic's nested models): a small
+    model left free to add keys may never close the object."""
     parameters = function.get("parameters") or {"type": "object"}
-    if "additionalProperties" in parameters or function.get("strict") is False:
+    if function.get("strict") is False:
         return parameters
-    return parameters | {"additionalProperties": False}
+    parameters = copy.deepcopy(parameters)
+    for node in subschemas(parameters):
+        if (node is parameters or "properties" in node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    return parameters
 
 
 def parse(text: str, form: str = "hermes") -> tuple[str | None, list[dict]]:

@@ -126,3 +126,74 @@ def test_a_bad_constraint_is_refused_with_what_is_wrong(server, path, body, stat
     response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
     assert response.status_code == status and says in response.text, response.text
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+NO_FINITE_INSTANCE = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+                      "$ref": "#/$defs/n"}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 20, "grammar": {"type": "json", "value": NO_FINITE_INSTANCE}}}),
+    ("/generate_stream", {"inputs": "x", "parameters": {"max_new_tokens": 20, "grammar": {"type": "json", "value": NO_FINITE_INSTANCE}}}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 20, "guided_json": NO_FINITE_INSTANCE}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 20, "stream": True, "structured_outputs": {"json": NO_FINITE_INSTANCE}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 20, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": NO_FINITE_INSTANCE}}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 20, "stream": True,
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": NO_FINITE_INSTANCE}}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 20, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": NO_FINITE_INSTANCE}}]}),
+])
+def test_a_schema_with_no_finite_instance_is_refused_before_any_token(server, path, body):
+    """Refused when the request arrives, streamed or not, with a short message: not a 5xx or an error event once
+    decoding reaches the recursion, and none of llguidance's parser state."""
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    status = 400 if path.startswith("/v1") else 422
+    assert response.status_code == status and "no finite JSON value" in response.text, response.text
+    assert response.headers["content-type"].startswith("application/json") and len(response.text) < 600
+
+
+def test_a_schema_that_refers_to_itself_alone_is_any_json_value(server):
+    """{"$ref": "#"} constrains nothing: the output is JSON (the model may be cut off by max_new_tokens, so the
+    test asks for enough tokens and a grammar-complete end)."""
+    for seed in range(3):
+        response = httpx.post(f"{server.url}/generate", timeout=60, json={"inputs": "x", "parameters": {
+            "max_new_tokens": 200, "do_sample": True, "seed": seed, "details": True,
+            "grammar": {"type": "json", "value": {"$ref": "#"}}}})
+        assert response.status_code == 200, response.text
+        result = response.json()
+        if result["details"]["finish_reason"] == "eos_token":
+            json.loads(result["generated_text"])
+        assert result["generated_text"] != ""
+
+
+def test_a_grammar_that_fails_while_decoding_ends_its_request_with_a_client_error(server, monkeypatch):
+    """Past one of llguidance's limits mid-decode (a fault injected here: the matcher reports an error after
+    its first token), the request ends with a 4xx that says so, and the server serves the next request."""
+    grammars = server.runner.engine.grammars
+    real_start = grammars.start
+
+    class FailingAfterOneToken:
+        def __init__(self, matcher):
+            self.matcher, self.consumed = matcher, 0
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+        def consume_token(self, token):
+            self.consumed += 1
+            return self.matcher.consume_token(token)
+
+        def is_error(self):
+            return self.consumed >= 1
+
+        def get_error(self):
+            return "parser error: Too many items (limit 50000)\n<state>\nkilobytes of parser state"
+
+    monkeypatch.setattr(grammars, "start", lambda grammar: FailingAfterOneToken(real_start(grammar)))
+    body = {"prompt": "x", "max_tokens": 20, "response_format": {"type": "json_object"}}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "Too many items" in response.text, response.text
+    assert "<state>" not in response.text and "parser state" not in response.text
+    monkeypatch.undo()
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200

@@ -147,3 +147,33 @@ def test_a_llama3_template_gets_llama3_calls(model_dir, tmp_path):
     assert written.startswith('{"name":') and '"parameters":' in written
     (call,) = reply["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+def test_parameters_with_defs_give_a_valid_call(server):
+    """pydantic writes a nested model as "$defs" and "$ref": "#/$defs/..." (as the OpenAI Agents SDK sends it);
+    inside the tool-call grammar those references still name the parameters' own definitions."""
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        country: str = Field(max_length=12)
+
+    class Trip(BaseModel):
+        origin: City
+        stops: list[City] = Field(max_length=2)
+
+    schema = Trip.model_json_schema()
+    assert "$defs" in schema
+    for spelling in ("$defs", "definitions"):  # draft-07's spelling too
+        parameters = json.loads(json.dumps(schema).replace("$defs", spelling))
+        tool = {"type": "function", "function": {"name": "plan", "parameters": parameters}}
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        for choice in ("required", {"type": "function", "function": {"name": "plan"}}):
+            reply = client.chat.completions.create(model="kvserve", messages=ASK, tools=[tool, CLOCK], tool_choice=choice,
+                                                   max_tokens=400, temperature=1.0, seed=1, parallel_tool_calls=False)
+            (call,) = reply.choices[0].message.tool_calls
+            if call.function.name == "plan":
+                Trip.model_validate_json(call.function.arguments)
+            else:
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_time"])
