@@ -131,7 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from importlib import import_module
 
-    import_module(f"bench.{args.command}").run(args)
+    try:
+        module = import_module(f"bench.{args.command}")
+    except ModuleNotFoundError as e:  # the bench's own dependencies are an extra, not the server's
+        if e.name is None or e.name.split(".")[0] in ("bench", "engine", "server", "weights"):
+            raise
+        print(f"python -m bench {args.command} needs {e.name}, which the [bench] extra installs: "
+              f"pip install -e \".[bench]\"", file=sys.stderr)
+        return 2
+    module.run(args)
     return 0
 
 

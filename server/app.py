@@ -102,7 +102,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
         tokenizer = runner.engine.tokenizer
 
         def tokens_json() -> bytes:  # a megabyte of text is seconds of work: a worker thread's, not the event loop's
-            encoding = tokenizer.encoding(body.inputs)
+            encoding = tokenizer.encoding(body.inputs, parse_special=body.special_tokens_parsed)
             return json.dumps([{"id": i, "text": body.inputs[start:stop], "start": start, "stop": stop}
                                for i, (start, stop) in zip(encoding.ids, encoding.offsets)]).encode()
 
@@ -125,10 +125,12 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        if e.status_code == 400:  # FastAPI's answer to a body it cannot decode (bytes that are not UTF-8)
+        if e.status_code == 400:  # FastAPI's answer to a body it cannot decode: the cause says why
             metrics.failures.labels(reason="validation").inc()
-            return error_response(request.url.path, 422, "the request body is not valid JSON (it must be UTF-8 "
-                                  "encoded JSON)", "validation")
+            message = ("the request body nests arrays or objects too deeply to be parsed"
+                       if isinstance(e.__cause__, RecursionError)
+                       else "the request body is not valid JSON (it must be UTF-8 encoded JSON)")
+            return error_response(request.url.path, 422, message, "validation")
         return error_response(request.url.path, e.status_code, str(e.detail), "http", headers=e.headers)
 
     @app.exception_handler(Exception)

@@ -166,8 +166,15 @@ class GenerateRequest(Strict):
 
 
 class TokenizeRequest(Strict):
+    """TGI's /tokenize body: the ids /generate would give `inputs` with these `parameters`."""
+
     inputs: str
-    parameters: dict | None = None
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    parse_special: StrictBool | None = None  # the extension field at the top level too, as on the OpenAI routes
+
+    @property
+    def special_tokens_parsed(self) -> bool:
+        return self.parameters.parse_special if self.parse_special is None else self.parse_special
 
 
 class StreamOptions(Strict):

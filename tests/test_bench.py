@@ -6,6 +6,7 @@ Timings are never asserted (they belong to bench/, on a noisy shared machine); e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -119,3 +120,17 @@ def test_tp_times_two_ranks_against_one(tmp_path, tiny_dir):
     assert payload["all_reduces_per_step"] == 2 * 2  # two per layer, the tiny model's two layers
     assert payload["tp1_step_ms"] > 0 and payload["tp2_step_ms"] > 0 and payload["tp2_all_reduce_ms"] > 0
     assert (tmp_path / "tp.md").is_file()
+
+
+def test_a_bench_without_its_extra_names_the_extra(tmp_path):
+    """After the README's plain install (no [bench] extra), `python -m bench soak` says what to install rather
+    than dying on an import: the missing package is simulated by a module that fails to import as a missing one
+    does."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "httpx.py").write_text("raise ModuleNotFoundError(\"No module named 'httpx'\", name='httpx')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), os.getcwd()]))
+    result = subprocess.run([sys.executable, "-m", "bench", "soak", "--quick"], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "needs httpx" in result.stderr and '.[bench]' in result.stderr

@@ -290,6 +290,8 @@ BAD_INPUTS = [
      {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "leaves no room for a new token"),
     ("prompt longer than any context", "/v1/completions", {"prompt": "word " * 150_000}, 400, "the prompt has 750000 characters"),
     ("non utf-8 bytes", "/generate", b'{"inputs": "\xff\xfe"}', 422, "JSON"),
+    ("json nested past the parser's depth", "/generate", b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", 422,
+     "nests arrays or objects too deeply"),
     ("openai n above the slots", "/v1/completions", {"prompt": "hi", "n": 5}, 400, "n=5 exceeds the server's 4 sequence slots"),
     ("openai n=0", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
     ("openai bad temperature", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
@@ -681,6 +683,10 @@ def test_special_tokens_typed_by_a_user_are_text_unless_the_request_opts_in(serv
     assert chat[1]["usage"]["prompt_tokens"] == len(tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False))
     assert chat[0]["usage"]["prompt_tokens"] > chat[1]["usage"]["prompt_tokens"]  # "<|im_end|>" as its characters
     assert plain[1]["details"]["input_length"] == 1 < plain[0]["details"]["input_length"]
+    with httpx.Client(base_url=server.url, timeout=60) as client:  # /tokenize says what /generate reads
+        tokenized = [client.post("/tokenize", json={"inputs": "<|im_end|>", **extra}).json()
+                     for extra in ({}, {"parse_special": True}, {"parameters": {"parse_special": True}})]
+    assert [len(tokens) for tokens in tokenized] == [plain[0]["details"]["input_length"], 1, 1]
 
 
 def test_the_openapi_schema_declares_errors_and_streams(server):
