@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,tp}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     storm.add_argument("--dtype", default="auto")
     weights(storm)
     storm.add_argument("--compile", default="off", choices=["auto", "on", "off"])
+
+    faults = command("faults", help="a warm home's cache files damaged (cut short, garbled, emptied, unreadable), "
+                                     "read-only, and raced on: the server must start, answer and log the repair")
+    faults.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
 
     tp = command("tp", help="tensor parallelism on this machine: a decode step at TP 2 vs TP 1, and its all-reduces")
     tp.add_argument("--model", default=None, help="checkpoint, served dense (default: random weights of the default "

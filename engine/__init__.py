@@ -1,12 +1,22 @@
-"""kvserve's engine: a Llama-family model, its KV cache, sampling and continuous batching."""
+"""kvserve's engine: a Llama-family model, its KV cache, sampling and continuous batching.
 
-from engine.config import ConfigError, ModelConfig
-from engine.engine import Completion, Engine, EngineConfig
-from engine.request import FinishReason, RequestFailed, TokenEvent
-from engine.sampling import InvalidParameter, SamplingParams
-from engine.tokenizer import Tokenizer
+The names below are imported on first use, so that a light submodule (engine.cache_file, which
+`python -m weights pull` uses) can be imported without torch.
+"""
 
-__all__ = [
-    "Completion", "ConfigError", "Engine", "EngineConfig", "FinishReason", "InvalidParameter",
-    "ModelConfig", "RequestFailed", "SamplingParams", "TokenEvent", "Tokenizer",
-]
+import importlib
+
+EXPORTS = {
+    "ConfigError": "engine.config", "ModelConfig": "engine.config",
+    "Completion": "engine.engine", "Engine": "engine.engine", "EngineConfig": "engine.engine",
+    "FinishReason": "engine.request", "RequestFailed": "engine.request", "TokenEvent": "engine.request",
+    "InvalidParameter": "engine.sampling", "SamplingParams": "engine.sampling",
+    "Tokenizer": "engine.tokenizer",
+}
+__all__ = sorted(EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(EXPORTS[name]), name)

@@ -7,7 +7,8 @@ Which is fastest depends on the number of input rows and on the CPU: a tile prod
 repaid by a few rows, and dequantizing every weight pays off only over many. So the forms are timed against each
 other at row counts from 1 to 256 when the kernels first load on a machine, and the counts where they cross are
 written beside the kernels' library: every later process there reads the same counts, so compiled graphs, which
-hold them as constants, stay the same from one start to the next.
+hold them as constants, stay the same from one start to the next. The record is a cache file
+(engine/cache_file.py): one that is damaged is measured again.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from engine.native import kernels_library, load_kernels
+from engine import cache_file
+from engine.cache_file import CacheMiss
+from engine.native import kernels_library
 
 log = logging.getLogger("kvserve.product_forms")
 
@@ -52,23 +54,39 @@ class ProductForms:
 
 @functools.cache  # once per process, as the kernels load
 def product_forms() -> ProductForms:
-    """This machine's crossovers: read beside the kernels' library, or measured now and written there."""
-    if load_kernels() is not None:
+    """This machine's crossovers: read beside the kernels' library once checked (engine/cache_file.py), or
+    measured now and written there (a record that cannot be used is measured again)."""
+    library = kernels_library()
+    if library is None:  # the kernels are off here
         return ProductForms()
-    path = kernels_library().with_suffix(".forms.json")
-    if not path.exists():
-        forms, described = measure()
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as file:
-            json.dump(asdict(forms), file)
-        try:
-            os.link(file.name, path)  # the first process to finish decides: all of them then read the same counts
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(file.name)
-        log.info("quantized products on this CPU: %s (ms per form for %d layers, by rows: %s)", forms.described(), LAYERS,
-                 described)
-    return ProductForms(**json.loads(path.read_text()))
+    path = library.with_suffix(".forms.json")
+    try:
+        return recorded(path)
+    except CacheMiss as miss:
+        if miss.found:
+            log.warning("the measured product forms at %s cannot be used (%s): measuring them again", path,
+                        miss.reason)
+    forms, described = measure()
+    log.info("quantized products on this CPU: %s (ms per form for %d layers, by rows: %s)", forms.described(), LAYERS,
+             described)
+    try:
+        cache_file.write(path, json.dumps(asdict(forms)).encode())
+    except OSError as error:  # a full disk: this process uses what it measured
+        log.warning("the product forms could not be kept in %s (%s)", path, cache_file.describe(error))
+        return forms
+    try:  # processes that measured at once all use the record that stands (compiled graphs hold its counts)
+        return recorded(path)
+    except CacheMiss:
+        return forms
+
+
+def recorded(path: Path) -> ProductForms:
+    """The forms the record at `path` holds, once checked; CacheMiss if it cannot be used or holds none."""
+    data = cache_file.read(path)
+    try:
+        return ProductForms(**json.loads(data))
+    except (ValueError, TypeError) as e:  # a record of another version's fields, say
+        raise CacheMiss(path, f"it holds no product forms ({e})", found=True) from None
 
 
 def measure() -> tuple[ProductForms, str]:

@@ -6,14 +6,15 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
+from pathlib import Path
 
 import uvicorn
 
 from engine import Engine
 from server.app import create_app
-from server import tensor_parallel
+from server import compile_cache, tensor_parallel
+from server.compile_cache import CompileCache
 from server.runner import EngineRunner
 from server.settings import Settings, parse
 
@@ -24,7 +25,6 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, runner: EngineRunner):
         super().__init__(config)
         self.runner = runner
-        self.children: list[subprocess.Popen] = []  # a compile-cache warmer, ended with the server
         self.workers: tensor_parallel.Workers | None = None  # tensor-parallel ranks 1.. on this machine, ended with the server
 
     def handle_exit(self, sig, frame) -> None:
@@ -43,7 +43,8 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def build(settings: Settings, argv: list[str] | None = None) -> Server:
+def build(settings: Settings, cache: CompileCache) -> Server:
+    """The server for `settings`, its compiled code kept by `cache`."""
     def load() -> Engine:
         from weights.resolve import resolve_model
 
@@ -63,18 +64,7 @@ def build(settings: Settings, argv: list[str] | None = None) -> Server:
     def stop() -> None:  # a server without a model, or without its engine loop, serves nobody: exit 1
         server.should_exit = True
 
-    def warm_compile_cache() -> None:
-        # A child process with the same flags and environment compiles first: see server/compile_cache.py.
-        argv_given = sys.argv[1:] if argv is None else argv
-        child = subprocess.Popen([sys.executable, "-m", "server.compile_cache", *argv_given],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        server.children.append(child)
-        _, errors = child.communicate()
-        if child.returncode != 0:
-            logging.getLogger("kvserve").warning("compiling in a child process failed (compiling in-process "
-                                                 "instead): %s", errors.strip()[-2000:])
-
-    runner = EngineRunner(load, max_queue=settings.max_queue, warm_compile_cache=warm_compile_cache, on_failure=stop,
+    runner = EngineRunner(load, max_queue=settings.max_queue, compile_cache=cache, on_failure=stop,
                           request_timeout=settings.request_timeout, max_queue_wait=settings.max_queue_wait)
     app = create_app(runner, settings)  # the model loads in the background: /health answers 503 until ready
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=10)
@@ -86,17 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse(argv)
     from weights.default_model import kvserve_home
 
-    # Inductor's generated code survives restarts under KVSERVE_HOME (a compile takes minutes on 2 cores).
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kvserve_home() / "compiled"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Inductor's generated code survives restarts under KVSERVE_HOME (a compile takes minutes on 2 cores), checked
+    # before anything there is loaded (server/compile_cache.py); the child that compiles inherits the folder. The
+    # child takes the server's flags.
+    owned = not os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # a folder the environment names is not kvserve's to clear
+    compiled = compile_cache.prepared(Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or kvserve_home() / "compiled"),
+                                      owned)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compiled)
     if settings.node_rank > 0:  # another machine's tensor-parallel ranks: no HTTP here
         from weights.resolve import resolve_model
 
         return tensor_parallel.run_node(settings, str(resolve_model(settings.model)))
-    server = build(settings, argv)
+    server = build(settings, CompileCache(compiled, sys.argv[1:] if argv is None else argv, owned))
     server.run()
-    for child in server.children:
-        child.kill()
+    if server.runner.compile_cache is not None:
+        server.runner.compile_cache.end()
     code = 1 if server.runner.failure else 0
     if server.workers is not None:
         server.workers.end()

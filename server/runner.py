@@ -22,6 +22,7 @@ from engine import Engine, RequestFailed, SamplingParams, TokenEvent
 from engine.request import Status
 from engine.scheduler import SlotState
 from engine.tensor_parallel import PeerLost
+from server.compile_cache import CompileCache
 
 log = logging.getLogger("kvserve.runner")
 
@@ -91,13 +92,13 @@ class Stream:
 
 class EngineRunner:
     def __init__(self, load: Callable[[], Engine], max_queue: int = 64,
-                 warm_compile_cache: Callable[[], None] | None = None, on_failure: Callable[[], None] | None = None,
+                 compile_cache: CompileCache | None = None, on_failure: Callable[[], None] | None = None,
                  request_timeout: float = 0, max_queue_wait: float = 0):
         self._load = load
         self.request_timeout = request_timeout  # seconds from arrival to the last token; 0: no limit
         self.max_queue_wait = max_queue_wait  # seconds a request may wait for a slot; 0: no limit
         self._arrivals: dict[str, float] = {}  # the loop thread's own: request id -> arrival, for the limits
-        self._warm_compile_cache = warm_compile_cache  # runs before the compile thread compiles in-process
+        self.compile_cache = compile_cache  # inductor's code on disk: filled by a child first, recorded after
         self._on_failure = on_failure  # called (on the loop thread) once the runner can serve nobody
         self.max_queue = max_queue
         self.engine: Engine | None = None
@@ -268,10 +269,15 @@ class EngineRunner:
         return Timed(event, now, step_started if event.index == 0 else None)
 
     def _compile(self) -> None:
+        cache = self.compile_cache
         try:
-            if self._warm_compile_cache and self.engine.compile_blocker is None and self.engine.compile_generates_code:
-                self._warm_compile_cache()
-            self.engine.compile()
+            if cache is None or not self.engine.compile_generates_code or self.engine.compile_blocker is not None:
+                self.engine.compile()
+                return
+            with cache.in_use():
+                cache.warm()
+                if self.engine.compile():
+                    cache.record()
         except Exception:  # serving goes on eagerly; a compiler failure is a log line, not an outage
             log.error("compiling the decode step failed; decoding stays eager:\n%s", traceback.format_exc())
         finally:

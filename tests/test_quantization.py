@@ -81,7 +81,7 @@ for codes, kind in ((GroupCodes.fit(torch.randn(37, 96), 4), Codes4Linear), (eig
 
 def test_without_a_compiler_our_kernels_say_why(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
-    assert load_or_build() == "no C++ compiler"
+    assert load_or_build().reason == "no C++ compiler"
 
 
 def eight_bit_codes(out_features: int, in_features: int) -> GroupCodes:

