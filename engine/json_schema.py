@@ -33,8 +33,12 @@ SCHEMA_VALUES = frozenset({"items", "additionalProperties", "additionalItems", "
 
 def checked(schema: Schema) -> Schema:
     """`schema` with its bare self-references as `{}`; InvalidParameter if no finite JSON value can match it."""
-    schema = without_ref_loops(schema)
-    if not has_finite_instance(schema):
+    try:
+        schema = without_ref_loops(schema)
+        finite = has_finite_instance(schema)
+    except RecursionError:  # a schema nested hundreds deep: no one's real schema
+        raise InvalidParameter("the JSON schema nests too deeply to be checked") from None
+    if not finite:
         raise InvalidParameter("no finite JSON value matches it: every instance would have to contain "
                                "itself (a required property or item that refers back to its own schema)")
     return schema
@@ -99,24 +103,27 @@ def has_finite_instance(root: Schema) -> bool:
             return True
         if "enum" in node:
             return bool(node["enum"])
-        if not all(has(s) for s in node.get("allOf", [])):
+        if not all(has(s) for s in listed(node, "allOf")):
             return False
         for key in ("anyOf", "oneOf"):
-            if key in node and not any(has(s) for s in node[key]):
+            if listed(node, key) and not any(has(s) for s in listed(node, key)):
                 return False
         types = node.get("type")
         types = [types] if isinstance(types, str) else types
-        if types is None:  # no "type": a value of any type may match, and a number always has a finite one
+        if not isinstance(types, list) or not types:  # no "type": a value of any type may match (a number has one)
             return True
         return any(has_type(node, t) for t in types)
 
-    def has_type(node: dict, kind: str) -> bool:
+    def has_type(node: dict, kind: Any) -> bool:
+        # Malformed keywords (a list of properties, a string of minItems) count as absent: llguidance says what
+        # is wrong with them.
         if kind == "object":
-            properties = node.get("properties") or {}
+            properties = node["properties"] if isinstance(node.get("properties"), dict) else {}
             extra = node.get("additionalProperties", True)
-            return all(has(properties.get(name, extra)) for name in node.get("required", []))
+            return all(has(properties.get(name, extra)) for name in listed(node, "required") if isinstance(name, str))
         if kind == "array":
-            needed, prefix, rest = node.get("minItems", 0), node.get("prefixItems", []), node.get("items", True)
+            needed = node["minItems"] if isinstance(node.get("minItems"), int) else 0
+            prefix, rest = listed(node, "prefixItems"), node.get("items", True)
             if isinstance(rest, list):  # draft-07's tuple form
                 prefix, rest = rest, node.get("additionalItems", True)
             return all(has(s) for s in prefix[:needed]) and (needed <= len(prefix) or has(rest))
@@ -131,6 +138,12 @@ def has_finite_instance(root: Schema) -> bool:
                 finite[ref], changed = value, True
         if not changed:
             return answer
+
+
+def listed(node: dict, key: str) -> list:
+    """node[key] when it is a list, else nothing."""
+    value = node.get(key)
+    return value if isinstance(value, list) else []
 
 
 def rooted_at(schema: Schema, pointer: str) -> Schema:

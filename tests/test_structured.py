@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, InvalidParameter, SamplingParams
 from engine.grammar import choice_grammar, json_schema_grammar, regex_grammar
 from tests.server_harness import serve
 
@@ -197,3 +197,17 @@ def test_a_grammar_that_fails_while_decoding_ends_its_request_with_a_client_erro
     assert "<state>" not in response.text and "parser state" not in response.text
     monkeypatch.undo()
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": [1], "required": ["a"]}, {"allOf": 3}, {"anyOf": {"a": 1}}, {"type": 5},
+    {"type": "array", "minItems": "2", "items": {"$ref": "#"}}, {"type": "object", "required": "abc"}, {"enum": 3},
+    {"$ref": 5}, {"$ref": "#/nope"}, {"$ref": "http://elsewhere/schema"}, [1, 2], 3, None,
+    {"type": "array", "prefixItems": 4, "minItems": 2}, json.loads("[" * 900 + "]" * 900),
+    json.loads('{"items":' * 900 + "{}" + "}" * 900),
+])
+def test_a_malformed_schema_compiles_or_is_refused_never_raises_anything_else(schema):
+    try:
+        json_schema_grammar(schema)
+    except InvalidParameter as refused:
+        assert str(refused)
