@@ -55,14 +55,15 @@ class CompileCache:
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
         """COMPILING held shared while the block compiles: another server starting meanwhile keeps the files
-        this compile has not recorded yet."""
-        with locked(self.folder, fcntl.LOCK_SH):
+        this compile has not recorded yet (in kvserve's own folder: nothing is checked in another's)."""
+        with locked(self.folder, fcntl.LOCK_SH) if self.owned else contextlib.nullcontext():
             yield
 
     def warm(self) -> None:
         """A child process with the same flags and environment compiles first (see the module's doc)."""
         child = subprocess.Popen([sys.executable, "-m", "server.compile_cache", *self.argv],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, KVSERVE_COMPILE_PARENT=str(os.getpid())))
         self.children.append(child)
         _, errors = child.communicate()
         if child.returncode != 0:
@@ -205,11 +206,27 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def die_with_parent(parent: int) -> None:
+    """This process is killed when the server that started it dies (kill -9 included): an orphan compile would
+    hold both cores for minutes and write into the cache beside the server that replaces it."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the server died before the request took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine import Engine
     from server.settings import parse
     from weights.resolve import resolve_model
 
+    if "KVSERVE_COMPILE_PARENT" in os.environ:
+        die_with_parent(int(os.environ["KVSERVE_COMPILE_PARENT"]))
     settings = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine.from_pretrained(resolve_model(settings.model, progress=False), settings.engine_config())

