@@ -135,12 +135,20 @@ def check_sealed(folder: Path) -> None:
         raise CacheMiss(folder, f"its manifest cannot be read ({describe(e)})", found=True) from None
     for path, size, digest in entries:
         try:
-            with open(path, "rb") as file:
-                if os.fstat(file.fileno()).st_size != size or file_sha256(file) != digest:
-                    raise CacheMiss(folder, f"{path.name} does not match the digest recorded when it was written "
-                                            "(cut short, overwritten or emptied)", found=True)
-        except OSError as e:
-            raise CacheMiss(folder, f"{path.name} cannot be read ({describe(e)})", found=True) from None
+            check_digest(path, digest, size)
+        except CacheMiss as miss:
+            raise CacheMiss(folder, f"{path.name}: {miss.reason}", found=True) from None
+
+
+def check_digest(path: Path, digest: str, size: int | None = None) -> None:
+    """Nothing, when the file at `path` has the sha256 `digest` (and `size` bytes, when given); else CacheMiss."""
+    try:
+        with open(path, "rb") as file:
+            if (size is not None and os.fstat(file.fileno()).st_size != size) or file_sha256(file) != digest:
+                raise CacheMiss(path, "it does not match the digest recorded when it was written (cut short, "
+                                      "overwritten or emptied)", found=True)
+    except OSError as e:
+        raise CacheMiss(path, f"it cannot be read ({describe(e)})", found=True) from None
 
 
 def set_aside(folder: Path) -> None:

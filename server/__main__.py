@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return tensor_parallel.run_node(settings, str(resolve_model(settings.model)))
     server = build(settings, CompileCache(compiled, sys.argv[1:] if argv is None else argv, owned))
     server.run()
-    if server.runner.compile_cache is not None:
-        server.runner.compile_cache.end()
+    server.runner.compile_cache.end()
     code = 1 if server.runner.failure else 0
     if server.workers is not None:
         server.workers.end()

@@ -121,7 +121,7 @@ def check(folder: Path) -> None:
         try:
             listed = recorded(folder)
             for name, digest in listed.items():
-                check_file(folder / name, digest)
+                cache_file.check_digest(folder / name, digest)
         except CacheMiss as miss:
             if not miss.found:  # no manifest yet: every file is unlisted
                 listed = {}
@@ -149,17 +149,6 @@ def recorded(folder: Path) -> dict[str, str]:
     except ValueError:
         pass
     raise CacheMiss(manifest, "it holds no digests", found=True)
-
-
-def check_file(path: Path, digest: str) -> None:
-    try:
-        with open(path, "rb") as file:
-            actual = cache_file.file_sha256(file)
-    except OSError as e:
-        raise CacheMiss(path, f"it cannot be read ({cache_file.describe(e)})", found=True) from None
-    if actual != digest:
-        raise CacheMiss(path, "it does not match the digest recorded when it was compiled (cut short, overwritten "
-                              "or emptied)", found=True)
 
 
 def record(folder: Path) -> None:

