@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp,families}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -129,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--model", default=None, help="checkpoint, served dense (default: random weights of the default "
                                                   "model's sizes, with heads that split over 2 ranks)")
     tp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    families = command("families", help="Qwen3 and Gemma 3 beside a Llama of the same sizes (decode per token), Gemma 3's "
+                                         "KV cache with windows vs full length, gemma-3-270m over HTTP vs llama-server")
+    families.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    families.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
+    families.add_argument("--repeats", type=int, default=3)
+    families.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                          help="the kvserve server's --compile (timings start once its compile is done)")
 
     args = parser.parse_args(argv)
     if args.threads:

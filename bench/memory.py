@@ -58,7 +58,7 @@ def measure(config: ModelConfig, slots: int, positions: int, dtype: torch.dtype,
     before_rss = resident_bytes()
     before_cuda = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     cache = KVCache(config, slots, positions, device, dtype)
-    row["allocated_bytes"] = cache.data.untyped_storage().nbytes()
+    row["allocated_bytes"] = cache.storage.untyped_storage().nbytes()
     if device.type == "cuda":
         row["cuda_allocated_bytes"] = torch.cuda.memory_allocated() - before_cuda
     else:

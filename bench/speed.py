@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> dict:
         model = use_fastest_products(random_model(config, dtype))  # as an engine runs it
         capacity = max(contexts) + 1
         cache = KVCache(config, max(batches), capacity, cpu, dtype)
-        cache.data.normal_()  # stands in for a filled prefix: the values do not change the cost
+        cache.storage.normal_()  # stands in for a filled prefix: the values do not change the cost
         rotary = RotaryTable(config, capacity, cpu, dtype)
         with torch.inference_mode():
             prefill = timed(lambda: model(torch.zeros(1, prefill_tokens, dtype=torch.long), rotary, cache,

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
 from engine.rope import apply_rope
 
 if TYPE_CHECKING:  # the batches attend through this module's functions
     from engine.batch import DecodeBatch, PrefillBatch
+    from engine.config import ModelConfig
+    from engine.kv_cache import LayerCache
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -52,30 +53,44 @@ def broadcast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """One layer's attention: its own window (None: every earlier key) and RoPE table ("global" or "local")."""
+
+    def __init__(self, config: ModelConfig, layer: int, qk_norm: type[nn.Module] | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.window = config.window(layer)
+        self.rope = "local" if self.window is not None and config.local_rope_theta is not None else "global"
+        # Every attention function scales scores by 1/sqrt(d_h); another scale is folded into q (None: none).
+        ratio = config.attention_scale * math.sqrt(config.head_dim)
+        self.query_scale = None if ratio == 1.0 else ratio
         # q, k and v projections fused into one matmul: [q; k; v] rows.
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        # Qwen3, Gemma 3: each q and k head normalized over d_h before RoPE (one weight shared by the heads).
+        self.q_norm = qk_norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: tuple[torch.Tensor, torch.Tensor],
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        cache: LayerCache,
         batch: PrefillBatch | DecodeBatch,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # Reshape exposes the head axis, transpose moves it before the positions.
         heads = self.qkv_proj(x).view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # (b, s, h_q+2h_kv, d)
+        if self.q_norm is not None:
+            q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+            heads = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=2)  # (b, s, h_q+2h_kv, d), q and k normalized
         heads = heads.transpose(1, 2)  # (b, h_q + 2·h_kv, s, d)
-        qk = apply_rope(heads[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k heads rotated together
+        qk = apply_rope(heads[:, : self.num_heads + self.num_kv_heads], *rope[self.rope])  # q and k rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (b, h_q, s, d), (b, h_kv, s, d)
+        if self.query_scale is not None:
+            q = q * self.query_scale
         v = heads[:, self.num_heads + self.num_kv_heads:]  # (b, h_kv, s, d)
-        keys, values = batch.store(cache[0], cache[1], k, v)
-        out = batch.attend(q, keys, values)  # (b, h_q, s, d)
+        out = batch.attend(q, k, v, cache, self.window)  # (b, h_q, s, d); k, v written into the cache first
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.q_size))  # (b, s, h_q·d) -> (b, s, hidden)

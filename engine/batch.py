@@ -11,6 +11,7 @@ from functools import cached_property
 import torch
 
 from engine.attention import grouped_attention
+from engine.kv_cache import LayerCache
 
 
 def cache_rows(slots: list[int], slot_index: torch.Tensor) -> slice | torch.Tensor:
@@ -34,6 +35,7 @@ class PrefillBatch:
     device: torch.device
     positions: torch.Tensor = field(init=False)
     mask: torch.Tensor = field(init=False)
+    _window_masks: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         offsets = torch.arange(max(self.lengths), device=self.device)
@@ -43,11 +45,11 @@ class PrefillBatch:
         key_pos = torch.arange(self.kv_len, device=self.device)
         # Query at absolute position p may read keys 0..p of its own slot: earlier chunks and itself.
         self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # (n, 1, width, kv_len)
-        real = offsets[None] < lengths  # (n, width): which entries are prompt tokens, not padding
-        self.real_rows, self.real_offsets = real.nonzero(as_tuple=True)
+        self.real = offsets[None] < lengths  # (n, width): which entries are prompt tokens, not padding
+        self.real_rows, self.real_offsets = self.real.nonzero(as_tuple=True)
         self.slot_index = torch.tensor(self.slots, device=self.device)
         self.real_slots = self.slot_index[self.real_rows]
-        self.real_positions = self.positions[real]
+        self.real_positions = self.positions[self.real]
 
     @cached_property
     def kv_len(self) -> int:
@@ -58,16 +60,50 @@ class PrefillBatch:
         rows = torch.arange(len(self.slots), device=self.device)
         return rows, torch.tensor(self.lengths, device=self.device) - 1
 
-    def store(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write the real entries of k, v (n, h_kv, width, d); return the slots' filled parts (n, h_kv, kv_len, d)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+               window: int | None) -> torch.Tensor:
+        """Write the real entries of k, v (n, h_kv, width, d) into the layer's cache; attend q (n, h_q, width, d)
+        over each row's keys (a sliding layer: the window's)."""
+        capacity = cache.keys.shape[2]
+        if cache.ring and self.kv_len > capacity:  # this pass overwrites entries that its own queries still read
+            return self._attend_ring(q, k, v, cache, window)
         index = (self.real_rows, self.real_offsets)
-        keys[self.real_slots, :, self.real_positions] = k.transpose(1, 2)[index]  # (real tokens, h_kv, d)
-        values[self.real_slots, :, self.real_positions] = v.transpose(1, 2)[index]
+        cache.keys[self.real_slots, :, self.real_positions] = k.transpose(1, 2)[index]  # (real tokens, h_kv, d)
+        cache.values[self.real_slots, :, self.real_positions] = v.transpose(1, 2)[index]
         rows = cache_rows(self.slots, self.slot_index)
-        return keys[rows, :, : self.kv_len], values[rows, :, : self.kv_len]
+        keys, values = cache.keys[rows, :, : self.kv_len], cache.values[rows, :, : self.kv_len]
+        return grouped_attention(q, keys, values, self.mask if window is None else self.window_mask(window))
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return grouped_attention(q, keys, values, self.mask)
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The mask of a sliding layer: of the keys up to its own, a query at p reads p - window + 1 .. p only."""
+        if window not in self._window_masks:
+            key_pos = torch.arange(self.kv_len, device=self.device)
+            recent = key_pos[None, None, :] > self.positions[:, :, None] - window  # (n, width, kv_len)
+            self._window_masks[window] = self.mask & recent[:, None]
+        return self._window_masks[window]
+
+    def _attend_ring(self, q, k, v, cache: LayerCache, window: int) -> torch.Tensor:
+        """A ring layer whose positions wrap in this pass: the entries held before it (position start - 1 - i back,
+        for each entry) and the chunk's own keys, read together by position; then the chunk's last C written."""
+        capacity = cache.keys.shape[2]
+        starts = torch.tensor(self.starts, device=self.device)[:, None]  # (n, 1)
+        entry = torch.arange(capacity, device=self.device)[None, :]  # (1, C)
+        held = starts - 1 - torch.remainder(starts - 1 - entry, capacity)  # (n, C): the position entry i holds
+        key_pos = torch.cat([held, self.positions], dim=1)  # (n, C + width)
+        real = torch.cat([held >= 0, self.real], dim=1)  # (n, C + width): written before, or a prompt token
+        query_pos = self.positions[:, :, None]  # (n, width, 1)
+        mask = real[:, None] & (key_pos[:, None] <= query_pos) & (key_pos[:, None] > query_pos - window)
+        keys = torch.cat([cache.keys[self.slot_index], k], dim=2)  # (n, h_kv, C + width, d)
+        values = torch.cat([cache.values[self.slot_index], v], dim=2)
+        out = grouped_attention(q, keys, values, mask[:, None])  # mask (n, 1, width, C + width)
+        # Of each row's chunk, only the last C positions are kept (earlier ones would land on the same entries).
+        lengths = torch.tensor(self.lengths, device=self.device)
+        kept = self.real_offsets >= (lengths[self.real_rows] - capacity)
+        rows, offsets = self.real_rows[kept], self.real_offsets[kept]
+        entries = self.real_positions[kept] % capacity
+        cache.keys[self.real_slots[kept], :, entries] = k.transpose(1, 2)[rows, offsets]  # (kept tokens, h_kv, d)
+        cache.values[self.real_slots[kept], :, entries] = v.transpose(1, 2)[rows, offsets]
+        return out
 
 
 @dataclass
@@ -98,17 +134,25 @@ class DecodeBatch:
         """Keys read per row: the longest slot's, not the cache's T, so cost follows what is filled."""
         return max(self.lengths) + 1
 
-    def store(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (b, h_kv, 1, d) at each slot's position; return (b, h_kv, kv_len, d) to attend over (or, for
-        the kernel, the layer's whole (B, h_kv, T, d))."""
-        keys[self.slot_index, :, self.positions[:, 0]] = k[:, :, 0]
-        values[self.slot_index, :, self.positions[:, 0]] = v[:, :, 0]
-        if self.reads_cache:
-            return keys, values
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+               window: int | None) -> torch.Tensor:
+        """Write k, v (b, h_kv, 1, d) at each slot's position (a ring: at position mod C); attend q (b, h_q, 1, d)
+        over each row's keys."""
+        capacity = cache.keys.shape[2]
+        entries = self.positions[:, 0] % capacity if cache.ring else self.positions[:, 0]
+        cache.keys[self.slot_index, :, entries] = k[:, :, 0]
+        cache.values[self.slot_index, :, entries] = v[:, :, 0]
+        if self.reads_cache:  # each row's keys up to its position (within the window) of its slot, read in place
+            return torch.ops.kvserve.decode_attention(q, cache.keys, cache.values, self.slot_index, self.positions,
+                                                      window or 0)
         rows = cache_rows(self.slots, self.slot_index)
-        return keys[rows, :, : self.kv_len], values[rows, :, : self.kv_len]
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        if self.reads_cache:  # each row's keys 0..position of its slot, read in place
-            return torch.ops.kvserve.decode_attention(q, keys, values, self.slot_index, self.positions)
-        return grouped_attention(q, keys, values, self.mask)
+        if cache.ring:  # entry i < C holds a key the row may read iff i <= its position: the first C of the mask
+            n = min(self.kv_len, capacity)
+            mask = None if self.mask is None else self.mask[..., :n]
+            return grouped_attention(q, cache.keys[rows, :, :n], cache.values[rows, :, :n], mask)
+        keys, values = cache.keys[rows, :, : self.kv_len], cache.values[rows, :, : self.kv_len]
+        if window is None or self.kv_len <= window:
+            return grouped_attention(q, keys, values, self.mask)
+        key_pos = torch.arange(self.kv_len, device=self.device)
+        mask = (key_pos[None, :] <= self.positions) & (key_pos[None, :] > self.positions - window)  # (b, kv_len)
+        return grouped_attention(q, keys, values, mask[:, None, None, :])

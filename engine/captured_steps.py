@@ -30,8 +30,8 @@ log = logging.getLogger("kvserve.captured_steps")
 
 SHORTEST_KEYS = 64
 
-# step(tokens (b, 1), slot_index (b,), positions (b, 1), mask (b, 1, 1, kv_len), cache data) -> logits (b, V)
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# step(tokens (b, 1), slot_index (b,), positions (b, 1), mask (b, 1, 1, kv_len), the cache's groups) -> logits (b, V)
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]
 
 
 def padded_sizes(largest: int, smallest: int = 1) -> list[int]:
@@ -51,8 +51,8 @@ def padded_to(sizes: list[int], n: int) -> int:
 
 class CapturedSteps:
     def __init__(self, step: Step, cache: KVCache, capture: bool = True):
-        device = cache.data.device
-        self.step, self.cache_data = step, cache.data
+        device = cache.device
+        self.step, self.cache_groups = step, cache.groups
         self.capture = capture  # False: each replay runs the step on the buffers (how the CPU tests the padding)
         self.batch_sizes = padded_sizes(cache.slots)
         self.key_lengths = padded_sizes(cache.max_seq_len, min(SHORTEST_KEYS, cache.max_seq_len))
@@ -85,7 +85,7 @@ class CapturedSteps:
         """The step on the first `size` rows of the buffers, reading `keys` positions of each slot."""
         tokens, slot_index, positions = self.inputs[0, :size, None], self.inputs[1, :size], self.inputs[2, :size, None]
         mask = torch.arange(keys, device=positions.device) <= positions  # (size, keys): keys up to its own
-        return self.step(tokens, slot_index, positions, mask[:, None, None, :], self.cache_data)
+        return self.step(tokens, slot_index, positions, mask[:, None, None, :], self.cache_groups)
 
     def _first(self, size: int, keys: int) -> torch.Tensor:
         """This step, eagerly; then its graph, for the next steps of this size."""

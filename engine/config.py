@@ -6,11 +6,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# model_type -> the Hugging Face class of its checkpoints (how each composes the shared parts: engine/architecture.py)
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class ConfigError(ValueError):
@@ -54,6 +59,13 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     model_type: str = "llama"
+    # Per layer "full_attention" or "sliding_attention"; () = every layer full. A sliding layer's query at
+    # position p reads keys p - W + 1 .. p only (W = sliding_window), as transformers' sliding mask does.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    local_rope_theta: float | None = None  # the sliding layers' RoPE base, unscaled (Gemma 3); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # scores are q·k / sqrt(this) (Gemma 3); None: head_dim
+    hidden_activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -73,6 +85,16 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ConfigError(f"layer_types {sorted(unknown)} are not supported (supported: {', '.join(LAYER_TYPES)})")
+        if "sliding_attention" in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ConfigError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
+        if self.hidden_activation not in ACTIVATIONS:
+            raise ConfigError(f"hidden_activation {self.hidden_activation!r} is not supported "
+                              f"(supported: {', '.join(ACTIVATIONS)})")
 
     @property
     def query_groups(self) -> int:
@@ -86,6 +108,15 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        """Keys a query of this layer reads back from itself (None: all before it)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def attention_scale(self) -> float:
+        """What q·k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -108,16 +139,21 @@ class ModelConfig:
 
         num_heads = need("num_attention_heads")
         hidden_size = need("hidden_size")
+        num_layers = need("num_hidden_layers")
         head_dim = raw.get("head_dim") or hidden_size // num_heads
-        # Qwen2 always has q/k/v biases and no output bias; Llama/Mistral use `attention_bias` for all four.
+        # Qwen2 always has q/k/v biases and no output bias; the others use `attention_bias` for all four.
         attention_bias = bool(raw.get("attention_bias", False))
         qkv_bias = model_type == "qwen2" or attention_bias
-        theta, scaling = _read_rope(raw)
+        gemma = model_type == "gemma3_text"
+        if gemma:
+            _refuse_gemma_options(raw)
+        theta, scaling, local_theta = _read_gemma_rope(raw) if gemma else (*_read_rope(raw), None)
+        layer_types = _read_layer_types(raw, model_type, num_layers)
         return cls(
             vocab_size=need("vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
@@ -125,12 +161,61 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma's class ties by default
             qkv_bias=qkv_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(raw.get("mlp_bias", False)),
             model_type=model_type,
+            layer_types=layer_types,
+            sliding_window=raw.get("sliding_window") if layer_types else None,
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
+            hidden_activation=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
         )
+
+
+def _read_layer_types(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[str, ...]:
+    """Each layer's attention: as listed (transformers 5.x writes `layer_types`), else by the family's rule;
+    () where every layer is global."""
+    if raw.get("layer_types"):
+        listed = tuple(raw["layer_types"])
+        return () if set(listed) == {"full_attention"} else listed
+    if model_type == "gemma3_text":  # five sliding layers, then a global one (4.x: `sliding_window_pattern`)
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    if model_type == "mistral" and raw.get("sliding_window"):  # Mistral 7B v0.1: every layer
+        return ("sliding_attention",) * num_layers
+    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window"):  # layers from max_window_layers on
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+    return ()
+
+
+def _refuse_gemma_options(raw: dict[str, Any]) -> None:
+    """Gemma 2's soft-capping and the bidirectional (embedding) variant are other models."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ConfigError(f"config.json: {key} is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError("config.json: use_bidirectional_attention is not supported (kvserve serves decoders)")
+
+
+def _read_gemma_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling, float]:
+    """Gemma 3's two RoPEs: global layers' (rope_theta, with any scaling) and sliding layers' (unscaled base).
+
+    transformers 5.x nests them under rope_parameters by layer type; 4.x has rope_theta, rope_scaling and
+    rope_local_base_freq.
+    """
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        theta, scaling = _read_rope({"rope_parameters": params.get("full_attention") or {"rope_theta": 1e6}})
+        local = params.get("sliding_attention") or {}
+        local_theta, local_scaling = _read_rope({"rope_parameters": {"rope_theta": 1e4} | local})
+        if local_scaling.rope_type != "default":
+            raise ConfigError("config.json: scaled RoPE on sliding layers is not supported")
+        return theta, scaling, local_theta
+    theta, scaling = _read_rope({"rope_theta": 1e6} | raw)
+    return theta, scaling, float(raw.get("rope_local_base_freq", 1e4))
 
 
 def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:

@@ -49,6 +49,9 @@ class EngineConfig:
     dense_copies: bool = False
     compile: str = "off"  # "auto"/"on": Engine.compile() builds compiled decode graphs where they can run
     prefix_caching: bool = True  # a new request reuses the K/V a free slot kept of a shared prompt prefix
+    # Sliding-window layers (Gemma 3) keep T positions, as global ones do, instead of a ring of their window:
+    # more memory, and any shared prefix reusable (llama.cpp's --swa-full).
+    full_windows: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -102,9 +105,10 @@ class Engine:
         tie_quantized_head(model, max_rows=slots, copy=config.dense_copies)
         if config.dense_copies and self.device.type == "cpu":  # codes or a dense copy, as measured, up to a chunk
             keep_dense_copies(model, max_rows=max(slots, config.prefill_chunk_size))
-        self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype)
+        self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype, config.full_windows)
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
-        self.scheduler = Scheduler(slots, config.prefix_caching, copy_min_tokens=config.prefill_chunk_size)
+        self.scheduler = Scheduler(slots, config.prefix_caching, copy_min_tokens=config.prefill_chunk_size,
+                                   ring=self.cache.ring_capacity)
         self.executor = DecodeExecutor(model, self.rotary, self.cache)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -118,7 +122,7 @@ class Engine:
             return self.config.max_batch_size
         budget = self.config.kv_cache_memory
         budget = parse_bytes(budget) if isinstance(budget, str) else budget
-        slots = KVCache.slots_for_budget(model_config, max_seq_len, budget, self.dtype)
+        slots = KVCache.slots_for_budget(model_config, max_seq_len, budget, self.dtype, self.config.full_windows)
         if slots < 1:
             raise ValueError(
                 f"kv_cache_memory {format_bytes(budget)} holds no sequence of {max_seq_len} tokens; "
@@ -297,12 +301,12 @@ class Engine:
     @property
     def cache_used_bytes(self) -> int:
         """Cache bytes holding the tokens of running requests."""
-        return self.cache.used_bytes(sum(r.cached_tokens for r in self.scheduler.running.values()))
+        return sum(self.cache.used_bytes(r.cached_tokens) for r in self.scheduler.running.values())
 
     @property
     def cache_kept_bytes(self) -> int:
         """Cache bytes that free slots keep for reuse by later requests sharing their prefix."""
-        return self.cache.used_bytes(self.scheduler.kept_tokens)
+        return sum(self.cache.used_bytes(len(self.scheduler.kept[slot])) for slot in self.scheduler.free_slots)
 
     @property
     def compiled_graphs(self) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 from engine.attention import broadcast_attention, grouped_attention
 from engine.batch import DecodeBatch
 from engine.captured_steps import CapturedSteps
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, LayerCache
 from engine.model import Transformer
 from engine.native import kernels_run_on
 from engine.rope import RotaryTable
@@ -59,34 +60,41 @@ def compile_unsupported(device: torch.device) -> str | None:
 
 @dataclass(frozen=True)
 class LayerEntries:
-    """K (kind 0) or V (kind 1) of one layer, as a place in the whole cache tensor rather than a view of it.
+    """K (kind 0) or V (kind 1) of one layer, as a place in its group's cache tensor rather than a view of it.
 
     A compiled graph that writes into a view of its input rebuilds the whole input around the view
     (a copy of the entire cache, every layer, every step); writing into the input itself with one
     index_put_ stays in place.
     """
 
-    data: torch.Tensor  # (2, L, B, h_kv, T, d)
+    data: torch.Tensor  # the layer's group: (2, L_g, B, h_kv, C_g, d)
     kind: int
-    layer: int
+    layer: int  # in the group
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[4]
 
 
 class CacheLayers:
-    """What Transformer.forward reads of a cache, over any tensor of KVCache's layout (2, L, B, h_kv, T, d)."""
+    """What Transformer.forward reads of a cache, over group tensors of KVCache's layout (each (2, L_g, B, h_kv, C_g, d):
+    the live cache's views, or a scratch cache's)."""
 
-    def __init__(self, data: torch.Tensor):
-        self.data = data
+    def __init__(self, groups: tuple[torch.Tensor, ...], cache: KVCache):
+        self.groups, self.cache = groups, cache
 
-    def layer(self, index: int) -> tuple[LayerEntries, LayerEntries]:
-        return LayerEntries(self.data, 0, index), LayerEntries(self.data, 1, index)
+    def layer(self, index: int) -> LayerCache:
+        group, at = self.cache.places[index]
+        data = self.groups[group]
+        return LayerCache(LayerEntries(data, 0, at), LayerEntries(data, 1, at), self.cache.is_ring(index))
 
 
 @dataclass
 class GraphDecodeBatch:
     """DecodeBatch as tensors alone, for a compiled step: b and kv_len are shapes, not Python numbers.
 
-    Row r writes its new K/V at positions[r] of slot slot_index[r] and reads keys 0..positions[r];
-    mask (b, 1, 1, kv_len) hides the keys past each row's own, which are stale or empty.
+    Row r writes its new K/V at positions[r] (a ring: mod C) of slot slot_index[r] and reads keys 0..positions[r]
+    (a sliding layer: the window's); mask (b, 1, 1, kv_len) hides the keys past each row's own, which are stale or empty.
     """
 
     slot_index: torch.Tensor  # (b,)
@@ -95,34 +103,39 @@ class GraphDecodeBatch:
     # (q, keys, values, mask) -> (b, h_q, 1, d); None: kvserve's decode_attention kernel, over the cache itself
     attention: Callable[..., torch.Tensor] | None = broadcast_attention
 
-    def store(self, keys: LayerEntries, values: LayerEntries, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (b, h_kv, 1, d); return the rows' first kv_len positions (b, h_kv, kv_len, d), or for the
-        kernel the layer's whole (B, h_kv, T, d)."""
-        self._write(keys, k)
-        self._write(values, v)
-        if self.attention is None:
-            return keys.data[keys.kind, keys.layer], values.data[values.kind, values.layer]
-        return self._read(keys), self._read(values)
-
-    def _write(self, entries: LayerEntries, new: torch.Tensor) -> None:
-        """Store one step's K or V of every row."""
-        data, rows = entries.data, self.slot_index[:, None]  # rows (b, 1)
-        heads = torch.arange(data.shape[3], device=data.device)[None, :]  # (1, h_kv)
-        # Every index a tensor, broadcast to (b, h_kv): one index_put_ on the cache tensor itself.
-        index = (torch.full_like(rows, entries.kind), torch.full_like(rows, entries.layer), rows, heads, self.positions)
-        data.index_put_(index, new[:, :, 0])  # new (b, h_kv, 1, d) -> (b, h_kv, d) at each (slot, head, position)
-
-    def _read(self, entries: LayerEntries) -> torch.Tensor:
-        """Each row's slot up to kv_len (b, h_kv, kv_len, d)."""
-        return entries.data[entries.kind, entries.layer, :, :, : self.mask.shape[-1]][self.slot_index]
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+               window: int | None) -> torch.Tensor:
+        keys, values = cache.keys, cache.values
+        entries = self.positions % keys.capacity if cache.ring else self.positions  # (b, 1)
+        self._write(keys, k, entries)
+        self._write(values, v, entries)
         # The kernel reads each row's keys where they lie, once. Compiled without it, the broadcast form reads
         # them in the cache rather than gathering them; eager (a captured CUDA graph), that form would
         # materialize every product, and grouped_attention runs instead.
         if self.attention is None:
-            return torch.ops.kvserve.decode_attention(q, keys, values, self.slot_index, self.positions)
-        return self.attention(q, keys, values, self.mask)
+            return torch.ops.kvserve.decode_attention(q, keys.data[keys.kind, keys.layer], values.data[values.kind, values.layer],
+                                                      self.slot_index, self.positions, window or 0)
+        mask = self.mask
+        if cache.ring:  # entry i < C holds a key the row may read iff i <= its position; all C read (a slice
+            # to min(kv_len, C) would be a guard on which is larger)
+            entry = torch.arange(keys.capacity, device=mask.device)
+            mask = (entry <= self.positions)[:, None, None, :]  # (b, 1, 1, C)
+        elif window is not None:  # a sliding layer of full length: of those keys, the window's last ones
+            key_pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (key_pos > self.positions - window)[:, None, None, :]  # (b, 1, 1, kv_len)
+        return self.attention(q, self._read(keys, mask.shape[-1]), self._read(values, mask.shape[-1]), mask)
+
+    def _write(self, entries: LayerEntries, new: torch.Tensor, at: torch.Tensor) -> None:
+        """Store one step's K or V of every row, row r at entry at[r]."""
+        data, rows = entries.data, self.slot_index[:, None]  # rows (b, 1)
+        heads = torch.arange(data.shape[3], device=data.device)[None, :]  # (1, h_kv)
+        # Every index a tensor, broadcast to (b, h_kv): one index_put_ on the cache tensor itself.
+        index = (torch.full_like(rows, entries.kind), torch.full_like(rows, entries.layer), rows, heads, at)
+        data.index_put_(index, new[:, :, 0])  # new (b, h_kv, 1, d) -> (b, h_kv, d) at each (slot, head, entry)
+
+    def _read(self, entries: LayerEntries, n: int) -> torch.Tensor:
+        """Each row's slot up to n entries (b, h_kv, n, d)."""
+        return entries.data[entries.kind, entries.layer, :, :, :n][self.slot_index]
 
 
 class DecodeExecutor:
@@ -130,13 +143,13 @@ class DecodeExecutor:
         self.model, self.rotary, self.cache = model, rotary, cache
         self.buckets = batch_buckets(model, cache.slots)
         self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready (CPU)
-        self.reads_cache = kernels_run_on(cache.data.device)  # attention by kvserve's kernel (CPU, where it loads)
+        self.reads_cache = kernels_run_on(cache.device)  # attention by kvserve's kernel (CPU, where it loads)
         self.captured: CapturedSteps | None = None  # CUDA graphs, captured as each size is first used (CUDA)
 
     @property
     def compiles_code(self) -> bool:
         """Whether compile() generates code (inductor, minutes) rather than capturing CUDA graphs (as steps run)."""
-        return self.cache.data.device.type == "cpu"
+        return self.cache.device.type == "cpu"
 
     @property
     def graph_names(self) -> tuple[str, ...]:
@@ -151,7 +164,7 @@ class DecodeExecutor:
         """One new token per slot at its length -> next-token logits (b, V) float32."""
         if self.captured is not None:
             return self.captured.forward(tokens, slots, lengths)
-        device = self.cache.data.device
+        device = self.cache.device
         token_ids = torch.tensor(tokens, device=device)[:, None]  # (b, 1)
         graph = self.graphs.get(self.bucket(len(tokens)))
         if graph is None:
@@ -160,16 +173,16 @@ class DecodeExecutor:
         positions = torch.tensor(lengths, device=device)[:, None]  # (b, 1)
         mask = torch.arange(max(lengths) + 1, device=device) <= positions  # (b, kv_len): keys up to its own
         return graph(token_ids, torch.tensor(slots, device=device), positions, mask[:, None, None, :],
-                     self.cache.data)
+                     self.cache.groups)
 
     def step(self, tokens: torch.Tensor, slot_index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-             cache_data: torch.Tensor, attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+             groups: tuple[torch.Tensor, ...], attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """The function that is compiled (or captured): the decode forward and the LM head, tensors in, logits out.
         attention: as GraphDecodeBatch's; by default kvserve's kernel where it runs, else the broadcast form."""
         if attention is None and not self.reads_cache:
             attention = broadcast_attention
         batch = GraphDecodeBatch(slot_index, positions, mask, attention)
-        hidden = self.model(tokens, self.rotary, CacheLayers(cache_data), batch)  # (b, 1, hidden)
+        hidden = self.model(tokens, self.rotary, CacheLayers(groups, self.cache), batch)  # (b, 1, hidden)
         return self.model.logits(hidden[:, 0])
 
     def capture(self, graphs: bool = True) -> None:
@@ -207,20 +220,24 @@ class DecodeExecutor:
         sizes would share one, and a guard on their equality); one live slot stays one (torch specializes
         size 1, and the live cache would not match a symbol).
         """
-        data = self.cache.data
+        live = self.cache.groups
+        device, dtype = self.cache.device, self.cache.dtype
         sizes = (n for n in itertools.count(3) if n != batch_size)
-        scratch_slots = next(sizes) if data.shape[2] > 1 else 1
-        kv_len, scratch_len = next(sizes), next(sizes)
-        with torch.inference_mode(False):  # made as the live cache is, so the graph's guards match it
-            scratch = torch.zeros(*data.shape[:2], scratch_slots, data.shape[3], scratch_len, data.shape[5],
-                                  dtype=data.dtype, device=data.device)
-        tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=data.device)
-        slot_index = torch.zeros(batch_size, dtype=torch.long, device=data.device)  # every row in scratch slot 0
-        positions = torch.full((batch_size, 1), kv_len - 1, device=data.device)
-        mask = torch.ones(batch_size, 1, 1, kv_len, dtype=torch.bool, device=data.device)
+        scratch_slots = next(sizes) if self.cache.slots > 1 else 1
+        kv_len = next(sizes)
+        lengths = [next(sizes) for _ in live]  # each group's entries per slot
+        shapes = [(*g.shape[:2], scratch_slots, g.shape[3], n, g.shape[5]) for g, n in zip(live, lengths)]
+        with torch.inference_mode(False):  # made as the live cache is (views of one allocation), so the guards match
+            storage = torch.zeros(sum(math.prod(shape) for shape in shapes), dtype=dtype, device=device)
+            scratch = tuple(part.view(shape) for part, shape in zip(storage.split([math.prod(s) for s in shapes]), shapes))
+        tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        slot_index = torch.zeros(batch_size, dtype=torch.long, device=device)  # every row in scratch slot 0
+        positions = torch.full((batch_size, 1), kv_len - 1, device=device)
+        mask = torch.ones(batch_size, 1, 1, kv_len, dtype=torch.bool, device=device)
         batch_dim = [0] if dynamic_batch else []
-        for tensor, dims in ((tokens, batch_dim), (slot_index, batch_dim), (positions, batch_dim),
-                             (mask, batch_dim + [3]), (scratch, [4] + [2] * (scratch_slots > 1))):
+        marks = [(tokens, batch_dim), (slot_index, batch_dim), (positions, batch_dim), (mask, batch_dim + [3])]
+        marks += [(group, [4] + [2] * (scratch_slots > 1)) for group in scratch]
+        for tensor, dims in marks:
             for dim in dims:
                 torch._dynamo.mark_dynamic(tensor, dim)
         return tokens, slot_index, positions, mask, scratch

@@ -1,21 +1,43 @@
-"""The KV cache: one tensor, allocated once, never grown."""
+"""The KV cache: one allocation, made once, never grown."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import ModelConfig
 
 
-class KVCache:
-    """K and V for `slots` sequences of up to `max_seq_len` positions, all layers.
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's K and V entries, each (B, h_kv, C, d_h), and whether they are a ring (position p at entry p mod C,
+    C = the layer's window: it holds exactly the keys its queries may read) or one entry per position."""
 
-    Layout (2, L, B, h_kv, T, d_h): each layer's K or V is a view, each slot a contiguous block,
-    and a slot's first n positions are exactly what attention reads. Only the h_kv shared heads
-    are stored; query heads are grouped onto them at attention time, never repeated here.
+    keys: torch.Tensor
+    values: torch.Tensor
+    ring: bool
+
+
+def layer_capacities(config: ModelConfig, max_seq_len: int, full_windows: bool = False) -> tuple[int, ...]:
+    """Entries per slot of each layer: T for a global layer, min(W, T) for a sliding one (T with full_windows)."""
+    return tuple(max_seq_len if (w := config.window(i)) is None or full_windows else min(w, max_seq_len)
+                 for i in range(config.num_layers))
+
+
+class KVCache:
+    """K and V for `slots` sequences, every layer, in one allocation.
+
+    Layer l holds C_l entries per slot (layer_capacities): T positions for a global layer, only the window for a
+    sliding one, whose entries are a ring. Layers of one capacity are a group: a view (2, L_g, B, h_kv, C_g, d_h)
+    of the allocation, each layer's K or V a view of it, each slot a contiguous block, and (for C = T) a slot's
+    first n entries exactly what attention reads. Only the h_kv shared heads are stored; query heads are grouped
+    onto them at attention time, never repeated here. The allocation holds
+    Σ_l 2·B·C_l·h_kv·d_h·itemsize bytes: 2·B·L·T·h_kv·d_h·itemsize where every layer is global.
     """
 
-    def __init__(self, config: ModelConfig, slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+                 full_windows: bool = False):
         if slots <= 0 or max_seq_len <= 0:
             raise ValueError(f"KV cache needs positive slots and max_seq_len, got {slots} and {max_seq_len}")
         self.num_layers = config.num_layers
@@ -24,42 +46,76 @@ class KVCache:
         self.head_dim = config.head_dim
         self.slots = slots
         self.max_seq_len = max_seq_len
-        self.data = torch.zeros(
-            2, config.num_layers, slots, config.num_kv_heads, max_seq_len, config.head_dim,
-            device=device, dtype=dtype,
-        )
+        self.capacities = layer_capacities(config, max_seq_len, full_windows)
+        self.windows = tuple(config.window(i) for i in range(config.num_layers))
+        shape = (slots, config.num_kv_heads)
+        members = {c: [i for i, ci in enumerate(self.capacities) if ci == c]
+                   for c in sorted(set(self.capacities), reverse=True)}  # T's group first
+        sizes = [2 * len(layers) * slots * config.num_kv_heads * c * config.head_dim for c, layers in members.items()]
+        self.storage = torch.zeros(sum(sizes), device=device, dtype=dtype)
+        self.groups: tuple[torch.Tensor, ...] = tuple(
+            part.view(2, len(layers), *shape, c, config.head_dim)  # (2, L_g, B, h_kv, C_g, d_h)
+            for part, (c, layers) in zip(self.storage.split(sizes), members.items()))
+        # layer -> (its group, its index in the group)
+        self.places = tuple(next((g, layers.index(i)) for g, layers in enumerate(members.values()) if i in layers)
+                            for i in range(config.num_layers))
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of one layer, each (B, h_kv, T, d_h)."""
-        return self.data[0, index], self.data[1, index]
+    def is_ring(self, index: int) -> bool:
+        """Whether layer `index` keeps only its window, position p at entry p mod C (C <= W: never a key too old)."""
+        window = self.windows[index]
+        return window is not None and self.capacities[index] <= window
+
+    def layer(self, index: int) -> LayerCache:
+        group, at = self.places[index]
+        data = self.groups[group]
+        return LayerCache(data[0, at], data[1, at], self.is_ring(index))
+
+    @property
+    def ring_capacity(self) -> int | None:
+        """The fewest positions a ring layer holds (a slot that wrote more has lost its first ones there), or None
+        where every layer holds every position."""
+        return min((c for i, c in enumerate(self.capacities) if c < self.max_seq_len), default=None)
 
     def copy_prefix(self, source: int, target: int, positions: int) -> None:
-        """Slot `target`'s first `positions` entries become slot `source`'s, in every layer: one copy."""
-        self.data[:, :, target, :, :positions] = self.data[:, :, source, :, :positions]
+        """Slot `target`'s first `positions` entries become slot `source`'s, in every layer (a ring: all of its
+        entries once the positions fill it); one copy per group."""
+        for data in self.groups:
+            entries = min(positions, data.shape[4])
+            data[:, :, target, :, :entries] = data[:, :, source, :, :entries]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.data.dtype
+        return self.storage.dtype
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V of one position across all layers: 2·L·h_kv·d_h·itemsize."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.data.element_size()
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.element_size()
+
+    def used_bytes(self, tokens: int) -> int:
+        """What one slot's first `tokens` positions occupy: each layer's min(tokens, C_l) entries."""
+        return 2 * sum(min(tokens, c) for c in self.capacities) * self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
     def capacity_bytes(self) -> int:
-        """2·B·L·T·h_kv·d_h·itemsize: the whole allocation."""
-        return self.data.numel() * self.data.element_size()
+        """Σ_l 2·B·C_l·h_kv·d_h·itemsize: the whole allocation."""
+        return self.storage.numel() * self.itemsize
 
-    def used_bytes(self, tokens_held: int) -> int:
-        return tokens_held * self.bytes_per_token
+    @property
+    def full_length_bytes(self) -> int:
+        """What the same cache would take with every layer holding T positions: 2·B·L·T·h_kv·d_h·itemsize."""
+        return 2 * self.slots * self.num_layers * self.max_seq_len * self.num_kv_heads * self.head_dim * self.itemsize
 
     @staticmethod
-    def slots_for_budget(config: ModelConfig, max_seq_len: int, budget_bytes: int, dtype: torch.dtype) -> int:
+    def slots_for_budget(config: ModelConfig, max_seq_len: int, budget_bytes: int, dtype: torch.dtype,
+                         full_windows: bool = False) -> int:
         """The largest B whose cache of `max_seq_len` positions fits in `budget_bytes`."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        per_slot = 2 * config.num_layers * max_seq_len * config.num_kv_heads * config.head_dim * itemsize
-        return budget_bytes // per_slot
+        entries = sum(layer_capacities(config, max_seq_len, full_windows))
+        return budget_bytes // (2 * entries * config.num_kv_heads * config.head_dim * itemsize)
 
     @property
     def mha_capacity_bytes(self) -> int:
@@ -67,8 +123,13 @@ class KVCache:
         return self.capacity_bytes * self.num_q_heads // self.num_kv_heads
 
     def describe(self) -> str:
+        layers = f"{self.num_layers} layers"
+        if self.ring_capacity is not None:
+            rings = sum(c < self.max_seq_len for c in self.capacities)
+            layers = (f"{self.num_layers - rings} global layers x {self.max_seq_len} + {rings} sliding layers x "
+                      f"{self.ring_capacity} (full length: {format_bytes(self.full_length_bytes)})")
         return (
-            f"KV cache: {self.slots} slots x {self.max_seq_len} tokens, {self.num_layers} layers, "
+            f"KV cache: {self.slots} slots x {self.max_seq_len} tokens, {layers}, "
             f"{self.num_kv_heads} kv heads x {self.head_dim}, {str(self.dtype).removeprefix('torch.')} = "
             f"{format_bytes(self.capacity_bytes)} (MHA would need {format_bytes(self.mha_capacity_bytes)})"
         )

@@ -1,12 +1,13 @@
-"""A Llama-family decoder: embedding, pre-norm blocks, final norm, LM head."""
+"""A decoder: embedding, blocks, final norm, LM head; the parts each family composes are engine/architecture.py's."""
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import Attention
+from engine.architecture import ARCHITECTURES
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
@@ -14,52 +15,17 @@ from engine.quantization import GroupCodes, quantized_linear
 from engine.rope import RotaryTable
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalized in float32 whatever the model dtype, cast back, then scaled: the reference's order.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(self, x, rope, cache, batch):
-        # Pre-norm: each branch reads a normalized copy; the residual stream keeps the incoming x.
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        architecture = ARCHITECTURES[config.model_type]
+        # Gemma: sqrt(hidden) in the embedding's dtype, as its reference rounds it (None: not scaled).
+        self.embedding_scale = math.sqrt(config.hidden_size) if architecture.scaled_embedding else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(architecture.block(config, i, architecture.norm, architecture.qk_norm)
+                                    for i in range(config.num_layers))
+        self.norm = architecture.norm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -74,6 +40,8 @@ class Transformer(nn.Module):
         """tokens (b, s) at batch.positions -> final hidden states (b, s, hidden)."""
         rope = rotary.lookup(batch.positions)
         x = self.embed_tokens(tokens)
+        if self.embedding_scale is not None:
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, cache.layer(index), batch)
         return self.norm(x)

@@ -39,18 +39,28 @@ def _llama3_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin for every position below `max_seq_len`, computed once in float32."""
+    """cos/sin for every position below `max_seq_len`, computed once in float32: one table per base the layers
+    use ("global", and "local" where sliding layers have a base of their own, as Gemma 3's do)."""
 
     def __init__(self, config: ModelConfig, max_seq_len: int, device: torch.device, dtype: torch.dtype):
-        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, d/2)
-        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(device=device, dtype=dtype)  # (T, d)
-        # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]: the sign is folded into the table.
-        self.signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(device=device, dtype=dtype)  # (T, d)
+        bases = {"global": (config.rope_theta, config.rope_scaling)}
+        if config.local_rope_theta is not None:
+            bases["local"] = (config.local_rope_theta, RopeScaling())
+        self.tables = {name: self._table(inverse_frequencies(config.head_dim, theta, scaling), max_seq_len,
+                                         device, dtype) for name, (theta, scaling) in bases.items()}
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (b, s) -> cos, sin of shape (b, 1, s, d), broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+    @staticmethod
+    def _table(inv_freq: torch.Tensor, max_seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, d/2)
+        cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(device=device, dtype=dtype)  # (T, d)
+        # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]: the sign is folded into the table.
+        signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(device=device, dtype=dtype)  # (T, d)
+        return cos, signed_sin
+
+    def lookup(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """positions (b, s) -> per table, cos and sin of shape (b, 1, s, d), broadcast over heads."""
+        return {name: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+                for name, (cos, sin) in self.tables.items()}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,10 @@ recently used slot), and prefill starts after the shared part. A prefix that a r
 copied from its slot instead when it is at least `copy_min_tokens` long (one long system prompt, many
 users) or the whole prompt but its last token (the choices of one request); while such a prefix is still
 being written, the new request waits for it rather than compute it again.
+
+Where sliding layers keep only their window (a ring of C entries, engine/kv_cache.py), a slot that wrote
+more than C positions holds the last C of them there: its prefix is reusable only whole (a next turn that
+extends the conversation it holds), never cut short.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ class SlotState:
 
 
 class Scheduler:
-    def __init__(self, slots: int, prefix_caching: bool, copy_min_tokens: int):
+    def __init__(self, slots: int, prefix_caching: bool, copy_min_tokens: int, ring: int | None = None):
         self.prefix_caching = prefix_caching
         self.copy_min_tokens = copy_min_tokens
+        self.ring = ring  # the fewest positions a ring layer of the cache holds; None: every layer holds them all
         self.free_slots = list(range(slots))  # least recently used first
         self.kept: list[list[int]] = [[] for _ in range(slots)]  # per slot: the tokens its first positions hold
         self.waiting: deque[Request] = deque()
@@ -68,21 +73,31 @@ class Scheduler:
         if not self.prefix_caching or request.params.prompt_logprobs:
             return self.free_slots[0], 0, None
         prompt, most = request.prompt_ids, len(request.prompt_ids) - 1
-        kept = {slot: common_prefix(self.kept[slot], prompt) for slot in self.free_slots}
+        kept = {slot: self.reusable(len(self.kept[slot]), min(common_prefix(self.kept[slot], prompt), most))
+                for slot in self.free_slots}
         slot = max(self.free_slots, key=kept.__getitem__)  # the first of equals: least recently used
-        reused, source, coming = min(kept[slot], most), None, 0
+        reused, source, coming = kept[slot], None, 0
         for other in self.running.values():
             shared = min(common_prefix(other.prompt_ids, prompt), most)  # what its prompt will write
             # Worth a copy: a long prefix, or all of this prompt (the siblings of an `n` > 1 request).
             if shared < self.copy_min_tokens and not 0 < shared == most:
                 continue
             written = min(shared, other.prefilled)
-            if written > reused:
-                reused, source = written, other.slot
-            coming = max(coming, shared)
+            usable = self.reusable(other.cached_tokens, written)
+            if usable > reused:
+                reused, source = usable, other.slot
+            if usable == written:  # the rest is still being written (unless a ring has lost its first positions)
+                coming = max(coming, shared)
         if coming > reused:
             return None
         return slot, reused, source
+
+    def reusable(self, held: int, shared: int) -> int:
+        """Of a slot that wrote `held` positions, how many of the `shared` leading ones a new request can reuse:
+        all, unless a ring has lost some of them (then only all `held` together, else none)."""
+        if self.ring is None or held <= self.ring or shared == held:
+            return shared
+        return 0
 
     def borrow(self) -> int:
         """A free slot to write scratch positions into (it stays free, and keeps nothing)."""

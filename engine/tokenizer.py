@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -50,6 +51,12 @@ class Tokenizer:
         return cls(backend, tuple(dict.fromkeys(eos_ids)), bos_token, template, eos_token)
 
     @cached_property
+    def special_pattern(self) -> re.Pattern:
+        """Matches any special token's text (one never matches where there are none)."""
+        texts = sorted((t.content for t in self.backend.get_added_tokens_decoder().values() if t.special), key=len)
+        return re.compile("|".join(map(re.escape, reversed(texts))) or r"(?!)")
+
+    @cached_property
     def max_token_chars(self) -> int:
         """The longest token's text, in characters (byte-level tokens: in bytes, which is no fewer)."""
         return max(map(len, self.backend.get_vocab(with_added_tokens=True)))
@@ -76,7 +83,10 @@ class Tokenizer:
         Each message's content is rendered as a placeholder, the rendering split there, and the pieces tokenized
         each by its own rule. A template that changes content beyond recognition gets the plain rendering.
         """
-        if parse_special or not messages:
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        if parse_special or not any(self.special_pattern.search(text) for text in contents):
+            # Nothing typed that could read as a marker: the whole rendering at once, as transformers tokenizes it
+            # (tokenized piece by piece, SentencePiece would begin each piece as a new text, with its space mark).
             return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
         marks = [f"\x00{i}\x00" for i in range(len(messages))]
         marked = [m | {"content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)]

@@ -8,6 +8,7 @@ import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,8 +20,12 @@ from server.errors import APIError, GenerationFailed, error_response
 from server.metrics import Metrics
 from server.openapi import OPEN_PATHS, install_openapi
 from server.runner import EngineRunner
-from server.schemas import TokenizeRequest
+from server.schemas import DetokenizeRequest, TokenizeRequest
 from server.settings import Settings
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+    from engine.kv_cache import KVCache
 
 
 
@@ -69,10 +74,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
             "max_queue": runner.max_queue, "compiled_decode": list(engine.compiled_graphs),
             "quantized": engine.quantized, "weights_bytes": runner.weights_bytes,
             "prefix_caching": engine.config.prefix_caching,
-            "kv_cache": {"capacity_bytes": cache.capacity_bytes, "formula": "2*B*L*T*h_kv*d_h*itemsize",
-                         "B": cache.slots, "L": cache.num_layers, "T": cache.max_seq_len, "h_kv": cache.num_kv_heads,
-                         "d_h": cache.head_dim, "itemsize": cache.data.element_size(),
-                         "h_q": config.num_heads, "mha_capacity_bytes": cache.mha_capacity_bytes},
+            "kv_cache": kv_cache_info(cache, config),
             # Each rank's cache holds its own K/V heads (h_kv above is per rank); every rank's is the same size.
             "tensor_parallel": {"size": engine.tensor_parallel_size, "kv_cache_bytes_per_rank": cache.capacity_bytes,
                                 "kv_cache_bytes_total": engine.tensor_parallel_size * cache.capacity_bytes},
@@ -108,7 +110,29 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
 
         return Response(await asyncio.to_thread(tokens_json), media_type="application/json")
 
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        generation.ensure_ready(runner)
+        vocab = runner.engine.tokenizer.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(422, f"token ids must be in [0, {vocab})", "validation")
+        text = await asyncio.to_thread(runner.engine.tokenizer.decode, body.tokens, body.skip_special_tokens)
+        return {"prompt": text}
+
     return app
+
+
+def kv_cache_info(cache: KVCache, config: ModelConfig) -> dict:
+    """The cache's size and the formula that gives it: with sliding layers that keep only their window, two terms."""
+    info = {"capacity_bytes": cache.capacity_bytes, "formula": "2*B*L*T*h_kv*d_h*itemsize",
+            "B": cache.slots, "L": cache.num_layers, "T": cache.max_seq_len, "h_kv": cache.num_kv_heads,
+            "d_h": cache.head_dim, "itemsize": cache.itemsize, "h_q": config.num_heads,
+            "mha_capacity_bytes": cache.mha_capacity_bytes}
+    if cache.ring_capacity is not None:
+        sliding = sum(c < cache.max_seq_len for c in cache.capacities)
+        info |= {"formula": "2*B*(L_global*T + L_sliding*W)*h_kv*d_h*itemsize", "L_global": cache.num_layers - sliding,
+                 "L_sliding": sliding, "W": cache.ring_capacity, "full_length_bytes": cache.full_length_bytes}
+    return info
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

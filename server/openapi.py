@@ -54,6 +54,7 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
         "top_tokens": array(array(TGI_TOKEN)),
         "best_of_sequences": array(obj(TGI_SEQUENCE | {"generated_text": STR}))})}),
     "Tokens": array(obj({"id": INT, "text": STR, "start": INT, "stop": INT})),
+    "Detokenized": obj({"prompt": STR}),
     "Completion": obj(OPENAI_HEAD | {"choices": array(obj({
         "index": INT, "text": STR, "finish_reason": MAYBE_STR,
         "logprobs": {"anyOf": [{"type": "null"}, obj({
@@ -79,7 +80,7 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
                   "generation_tokens_total": NUM, "time_to_first_token_mean_s": MAYBE_NUM,
                   "inter_token_latency_mean_s": MAYBE_NUM}),
 }
-RESPONSES = {"/generate": "TGIGenerated", "/": "TGIGenerated", "/tokenize": "Tokens",
+RESPONSES = {"/generate": "TGIGenerated", "/": "TGIGenerated", "/tokenize": "Tokens", "/detokenize": "Detokenized",
              "/v1/completions": "Completion", "/v1/chat/completions": "ChatCompletion", "/v1/models": "ModelList",
              "/info": "Info", "/health": "Health", "/slots": "Slots"}
 # One Server-Sent Event as a client parses it (OpenAPI 3.1 has a streamed media type's schema describe each event):

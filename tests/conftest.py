@@ -8,6 +8,10 @@ import torch
 from engine import Engine, EngineConfig
 from tests.tiny import write_model
 
+GEMMA3 = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+              tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 # name -> (kind, overrides): the shapes the parity tests cover.
 VARIANTS = {
     "gqa": ("llama", dict(num_attention_heads=8, num_key_value_heads=2)),
@@ -21,6 +25,11 @@ VARIANTS = {
     "qwen2_bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "head_dim": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
     "long": ("llama", dict(max_position_embeddings=4096)),  # room for requests that outlast a test's steps
+    "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),  # head_dim != hidden/heads
+    # A window of 4 keys, prompts and answers well past it; global layers' RoPE scaled; scores by 1/sqrt(24).
+    "gemma3": ("gemma3", dict(GEMMA3, query_pre_attn_scalar=24)),
+    # Scores by 1/sqrt(head_dim), as every Gemma 3 but the 27B (a GGUF has no key for another scale).
+    "gemma3_gguf": ("gemma3", dict(GEMMA3, query_pre_attn_scalar=16)),
 }
 
 

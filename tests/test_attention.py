@@ -11,7 +11,7 @@ from engine.attention import broadcast_attention, grouped_attention
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.model import Block
+from engine.layers import PreNormBlock, RMSNorm
 from engine.rope import RotaryTable, apply_rope
 
 
@@ -60,7 +60,7 @@ def tiny_config(**overrides) -> ModelConfig:
 def test_block_with_zeroed_branches_returns_its_input():
     config = tiny_config()
     torch.manual_seed(0)
-    block = Block(config)
+    block = PreNormBlock(config, 0, RMSNorm, qk_norm=False)
     for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
         block.get_parameter(name).data.zero_()
     cache = KVCache(config, slots=1, max_seq_len=16, device=torch.device("cpu"), dtype=torch.float32)
@@ -78,8 +78,8 @@ def test_rope_scores_depend_only_on_offset():
     q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
 
     def score(m: int, n: int) -> float:
-        cos_q, sin_q = rotary.lookup(torch.tensor([[m]]))
-        cos_k, sin_k = rotary.lookup(torch.tensor([[n]]))
+        cos_q, sin_q = rotary.lookup(torch.tensor([[m]]))["global"]
+        cos_k, sin_k = rotary.lookup(torch.tensor([[n]]))["global"]
         return (apply_rope(q, cos_q, sin_q) * apply_rope(k, cos_k, sin_k)).sum().item()
 
     # Angles are tabulated in float32, as the reference implementation computes them.
@@ -93,7 +93,7 @@ def test_decode_writes_the_same_keys_as_prefill():
     """A token decoded at position p leaves the cache exactly as prefilling it at p would."""
     config = tiny_config()
     torch.manual_seed(0)
-    block = Block(config)
+    block = PreNormBlock(config, 0, RMSNorm, qk_norm=False)
     cpu = torch.device("cpu")
     rotary = RotaryTable(config, 16, cpu, torch.float32)
     x = torch.randn(1, 6, config.hidden_size)
@@ -106,7 +106,7 @@ def test_decode_writes_the_same_keys_as_prefill():
     step = DecodeBatch([1], [5], cpu)
     last = block(x[:, 5:], rotary.lookup(step.positions), stepped.layer(0), step)
     torch.testing.assert_close(last[0, 0], expected[0, 5])
-    torch.testing.assert_close(stepped.data[:, :, 1, :, :6], whole.data[:, :, 0, :, :6])
+    torch.testing.assert_close(stepped.groups[0][:, :, 1, :, :6], whole.groups[0][:, :, 0, :, :6])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -122,10 +122,31 @@ def test_our_decode_attention_reads_each_rows_keys_in_the_cache(dtype, h_q, h_kv
     keys, values = (torch.randn(5, h_kv, 700, 32, generator=generator).to(dtype) for _ in range(2))
     slots, positions = torch.tensor([3, 0, 4, 3, 1]), torch.tensor([[0], [255], [256], [699], [300]])
     q = torch.randn(5, h_q, 1, 32, generator=generator).to(dtype)
-    got = torch.ops.kvserve.decode_attention(q, keys, values, slots, positions)
+    got = torch.ops.kvserve.decode_attention(q, keys, values, slots, positions, 0)
     for r in range(5):
         n = positions[r, 0] + 1
         want = grouped_attention(q[r:r + 1].float(), keys[slots[r], None, :, :n].float(),
                                  values[slots[r], None, :, :n].float(), None)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
         torch.testing.assert_close(got[r:r + 1].float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("capacity", [700, 300])
+def test_our_decode_attention_reads_only_the_window(capacity):
+    """A sliding layer's keys: the window's last ones, in a full-length layer (capacity 700) or a ring that holds
+    only the window (300 entries, position p at entry p mod 300, rows past its end reading all of it)."""
+    from engine.native import load_kernels
+
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    window = 300
+    generator = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(3, 2, capacity, 16, generator=generator) for _ in range(2))
+    slots, positions = torch.tensor([0, 2, 1]), torch.tensor([[10], [299], [650 if capacity == 300 else 450]])
+    q = torch.randn(3, 4, 1, 16, generator=generator)
+    got = torch.ops.kvserve.decode_attention(q, keys, values, slots, positions, window)
+    for r in range(3):
+        p = int(positions[r, 0])
+        held = [t % capacity for t in range(max(0, p - window + 1), p + 1)]  # the window's entries
+        want = grouped_attention(q[r:r + 1], keys[slots[r]][None, :, held], values[slots[r]][None, :, held], None)
+        torch.testing.assert_close(got[r:r + 1], want, atol=1e-5, rtol=1e-5)

@@ -19,14 +19,45 @@ def test_allocation_equals_formula(dtype):
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = 2 * 5 * 3 * 40 * 2 * 16 * itemsize  # 2·B·L·T·h_kv·d_h·itemsize
     assert cache.capacity_bytes == expected
-    assert cache.data.untyped_storage().nbytes() == expected
+    assert cache.storage.untyped_storage().nbytes() == expected
+
+
+def sliding_config(**overrides):
+    """Gemma 3's pattern in four layers: three sliding layers of an 8-key window, then a global one."""
+    return tiny_config(num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16, sliding_window=8,
+                       layer_types=("sliding_attention",) * 3 + ("full_attention",), **overrides)
+
+
+@pytest.mark.parametrize("full_windows", [False, True])
+def test_sliding_layers_hold_only_their_window(full_windows):
+    cache = KVCache(sliding_config(), slots=5, max_seq_len=40, device=torch.device("cpu"), dtype=torch.bfloat16,
+                    full_windows=full_windows)
+    window = 40 if full_windows else 8
+    expected = 2 * 5 * (1 * 40 + 3 * window) * 2 * 16 * 2  # 2·B·(L_global·T + L_sliding·W)·h_kv·d_h·itemsize
+    assert cache.capacity_bytes == cache.storage.untyped_storage().nbytes() == expected
+    assert cache.full_length_bytes == 2 * 5 * 4 * 40 * 2 * 16 * 2
+    assert [cache.layer(i).keys.shape for i in range(4)] == [(5, 2, window, 16)] * 3 + [(5, 2, 40, 16)]
+    assert [cache.layer(i).ring for i in range(4)] == [not full_windows] * 3 + [False]
+    assert cache.ring_capacity == (None if full_windows else 8)
+    assert cache.used_bytes(20) == 2 * (40 // 2 + 3 * min(20, window)) * 2 * 16 * 2  # each layer's min(20, C_l)
+    cache.storage.fill_(1)  # the layers' views are the one allocation, and no two overlap
+    for i in range(4):
+        cache.layer(i).keys.zero_()
+    assert int((cache.storage == 0).sum()) == cache.storage.numel() // 2
+
+
+def test_budget_sizing_counts_the_windows():
+    config = sliding_config()
+    per_slot = 2 * (40 + 3 * 8) * 2 * 16 * 4
+    assert KVCache.slots_for_budget(config, 40, 7 * per_slot + 1, torch.float32) == 7
+    assert KVCache.slots_for_budget(config, 40, 7 * per_slot, torch.float32, full_windows=True) < 7
 
 
 def test_gqa_allocates_a_quarter_of_mha():
     cpu = torch.device("cpu")
     mha = KVCache(tiny_config(num_heads=8, num_kv_heads=8), 4, 32, cpu, torch.float32)
     gqa = KVCache(tiny_config(num_heads=8, num_kv_heads=2), 4, 32, cpu, torch.float32)
-    assert gqa.data.untyped_storage().nbytes() * 4 == mha.data.untyped_storage().nbytes()
+    assert gqa.storage.untyped_storage().nbytes() * 4 == mha.storage.untyped_storage().nbytes()
     assert gqa.mha_capacity_bytes == mha.capacity_bytes
 
 
@@ -92,8 +123,9 @@ def test_used_bytes_counts_held_tokens(make_engine):
     engine = make_engine()
     request = engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
     engine.step()  # prefill: 4 positions cached, 1 token generated (not yet cached)
-    assert engine.cache_used_bytes == 4 * engine.cache.bytes_per_token
+    per_token = 2 * engine.cache.num_layers * engine.cache.num_kv_heads * engine.cache.head_dim * 4  # float32
+    assert engine.cache_used_bytes == 4 * per_token
     engine.step()
-    assert engine.cache_used_bytes == 5 * engine.cache.bytes_per_token
+    assert engine.cache_used_bytes == 5 * per_token
     engine.abort(request.request_id)
     assert engine.cache_used_bytes == 0

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 def test_cuda_float32_logits_match_cpu(tiny_dir):
     cpu = Engine.from_pretrained(tiny_dir, EngineConfig(device="cpu", dtype="float32", max_seq_len=128))
     gpu = Engine.from_pretrained(tiny_dir, EngineConfig(device="cuda", dtype="float32", max_seq_len=128))
-    assert gpu.cache.data.device.type == "cuda"
+    assert gpu.cache.device.type == "cuda"
     ids = [5, 17, 33, 120, 7, 250]
     torch.testing.assert_close(gpu.prompt_logits(ids).cpu(), cpu.prompt_logits(ids), atol=1e-4, rtol=1e-4)
 

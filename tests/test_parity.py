@@ -36,9 +36,11 @@ def test_greedy_generation_matches_transformers(variant, model_dir, make_engine,
         assert completion.output_ids == expected.tolist()
 
 
-def test_batched_decode_logprobs_match_full_forward(model_dir, make_engine, hf_model):
-    """Every decode step of a mixed-length batch scores its token as a full forward over the prefix does."""
-    path = model_dir("gqa")
+@pytest.mark.parametrize("variant", ["gqa", "qwen3", "gemma3"])
+def test_batched_decode_logprobs_match_full_forward(variant, model_dir, make_engine, hf_model):
+    """Every decode step of a mixed-length batch scores its token as a full forward over the prefix does (Gemma 3:
+    past its window of 4 keys, its sliding layers' rings wrapping)."""
+    path = model_dir(variant)
     engine, reference = make_engine(path), hf_model(path)
     wanted = [0, 3, 5]  # alternatives per token, different for each row of the batch
     completions = engine.generate(PROMPTS, [SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True,

@@ -48,8 +48,12 @@ def write_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
 
 
 def write_model(path: Path, kind: str = "llama", seed: int = 0, vocab_size: int | None = None, **overrides) -> Path:
-    """A random model of `kind` ("llama" or "qwen2") saved as safetensors; returns `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A random model of `kind` ("llama", "qwen2", "qwen3" or "gemma3") saved as safetensors; returns `path`.
+
+    Qwen3's and Gemma 3's norms are random too (transformers starts them at the identity), so that a norm applied
+    as w where the model means 1 + w, or left out, shows in the logits.
+    """
+    import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
@@ -61,8 +65,97 @@ def write_model(path: Path, kind: str = "llama", seed: int = 0, vocab_size: int 
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     settings.update(overrides)
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3": "Gemma3"}[kind]
+    config_cls = getattr(transformers, f"{prefix}TextConfig" if kind == "gemma3" else f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**settings)).eval()
+    if kind in ("qwen3", "gemma3"):
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    parameter.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GEMMA3_NAMES = GGUF_NAMES | {"post_attention_layernorm": "post_attention_norm",
+                             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_gguf_model(src: Path, out_path: Path, family: str, vocabulary=None) -> None:
+    """The folder's Qwen3 or Gemma 3 model as an F32 GGUF, as llama.cpp's converter writes them (Gemma's norms + 1),
+    with the folder's BPE vocabulary, or what vocabulary(writer) writes."""
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
+    from safetensors.torch import load_file
+
+    config = json.loads((src / "config.json").read_text())
+    writer = GGUFWriter(str(out_path), family)
+    add_shape(writer, config)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    if family == "gemma3":
+        rope = config["rope_parameters"]
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_array(f"{family}.attention.sliding_window_pattern",
+                         [t == "sliding_attention" for t in config["layer_types"]])
+        writer.add_float32(f"{family}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+    else:
+        writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    (vocabulary or (lambda w: add_bpe_vocabulary(w, src)))(writer)
+    names = GEMMA3_NAMES if family == "gemma3" else GGUF_NAMES
+    for name, tensor in load_file(src / "model.safetensors").items():
+        array = tensor.float().numpy()
+        if family == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0
+        writer.add_tensor(gguf_name(name, names), array, raw_dtype=GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_shape(writer, config: dict) -> None:
+    """The model's sizes as llama.cpp's converter writes them."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
+def gguf_name(hf_name: str, names: dict[str, str] = GGUF_NAMES) -> str:
+    """A Hugging Face tensor name as llama.cpp names it ("model.layers.3.mlp.up_proj.weight" -> "blk.3.ffn_up.weight")."""
+    stem, kind = hf_name.rsplit(".", 1)
+    if stem in names:
+        return f"{names[stem]}.{kind}"
+    _, _, layer, rest = stem.split(".", 3)
+    return f"blk.{layer}.{names[rest]}.{kind}"
+
+
+def add_bpe_vocabulary(writer, src: Path) -> None:
+    """The folder's byte-level BPE tokenizer as GGUF metadata (`gpt2`), as llama.cpp's converter writes it."""
+    tokenizer = json.loads((src / "tokenizer.json").read_text())
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["id"]: t["content"] for t in tokenizer["added_tokens"]}
+    tokens = [specials.get(i, tok) for tok, i in vocab]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)

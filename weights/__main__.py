@@ -1,4 +1,4 @@
-"""python -m weights pull | import FILE.gguf DIR [--dequantize]"""
+"""python -m weights pull [NAME] | import FILE.gguf DIR [--dequantize]"""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.architecture import ARCHITECTURES
 from engine.config import ConfigError, ModelConfig
 from engine.quantization import GroupCodes
 from weights.gguf_file import WEIGHTS_NAME, GGUFFile
@@ -66,8 +67,9 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face Llama/Mistral/Qwen2 checkpoint of this config holds, by name."""
+    """Every tensor a Hugging Face checkpoint of this config holds, by name."""
     d, inter = config.hidden_size, config.intermediate_size
+    architecture = ARCHITECTURES[config.model_type]
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, d),
         "model.norm.weight": (d,),
@@ -76,9 +78,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, d)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
+        shapes |= {p + f"{norm}.weight": (d,) for norm in architecture.block.NORMS}
+        if architecture.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
         shapes |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
             p + "self_attn.q_proj.weight": (config.q_size, d),
             p + "self_attn.k_proj.weight": (config.kv_size, d),
             p + "self_attn.v_proj.weight": (config.kv_size, d),
@@ -125,10 +128,12 @@ def to_model_state(tensors: dict[str, Weight], config: ModelConfig, dtype: torch
         "norm.weight": tensors["model.norm.weight"],
         "lm_head.weight": tensors["model.embed_tokens.weight"] if tied_head else head,
     }
+    architecture = ARCHITECTURES[config.model_type]
+    norms = [*architecture.block.NORMS] + (["self_attn.q_norm", "self_attn.k_norm"] if architecture.qk_norm else [])
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        state[dst + "input_layernorm.weight"] = tensors[src + "input_layernorm.weight"]
-        state[dst + "post_attention_layernorm.weight"] = tensors[src + "post_attention_layernorm.weight"]
+        for norm in norms:
+            state[dst + f"{norm}.weight"] = tensors[src + f"{norm}.weight"]
         for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
             state[dst + f"self_attn.qkv_proj.{kind}"] = fuse([tensors[src + f"self_attn.{n}_proj.{kind}"] for n in "qkv"])
         for kind in ("weight", "bias") if config.o_bias else ("weight",):

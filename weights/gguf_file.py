@@ -3,12 +3,14 @@
 What a GGUF holds and how it maps:
 - tensors, possibly quantized, renamed to Hugging Face names: either dequantized to float32 (exact for
   every block format), or, for the matrices of a quantized file, kept as group codes: Q4_0, Q4_1 and
-  Q8_0 blocks as stored, other block types fitted to 4 or 8 bits. For the `llama` architecture, q/k rows
-  are un-permuted: llama.cpp's converter interleaves each head's two RoPE halves, while kvserve (and
-  transformers) use the half-split layout;
-- `{arch}.*` metadata: the model config;
-- `tokenizer.ggml.*`: a byte-level BPE vocabulary, merges and pre-tokenizer name, rebuilt for the
-  `tokenizers` library; special tokens and the chat template.
+  Q8_0 blocks as stored, other block types fitted to 4 or 8 bits. Two converter edits are undone, so that
+  a tensor means what it does in the Hugging Face checkpoint: for `llama`, q/k rows are un-permuted
+  (llama.cpp interleaves each head's two RoPE halves; kvserve and transformers use the half-split
+  layout); for `gemma3`, the 1 that llama.cpp adds to every norm weight is taken off again;
+- `{arch}.*` metadata: the model config (architectures llama, qwen2, qwen3, gemma3);
+- `tokenizer.ggml.*`: a byte-level BPE vocabulary (`gpt2`) or a SentencePiece one (`llama`: scores,
+  byte-fallback tokens), rebuilt for the `tokenizers` library (weights/sentencepiece.py for the
+  second); special tokens and the chat template.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tqdm import tqdm
 
 from engine.quantization import GroupCodes
+from weights.sentencepiece import sentencepiece_tokenizer
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
@@ -38,7 +41,8 @@ SUPPORTED_TYPES = {
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 FOUR_BIT_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}  # the rest fit 8 bits
 WEIGHTS_NAME = "model.gguf"  # an imported folder's weights: the GGUF itself
-ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
@@ -47,7 +51,14 @@ LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3's four norms: ffn_norm is the one before the MLP, two more follow the branches.
+GEMMA3_LAYER_TENSORS = LAYER_TENSORS | {
+    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's default: five sliding layers, then a global one
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Pre-tokenizer splits by `tokenizer.ggml.pre`, as the models' own tokenizer.json files define them.
@@ -110,10 +121,13 @@ class GGUFFile:
         heads = int(self.need(f"{a}.attention.head_count"))
         hidden = int(self.need(f"{a}.embedding_length"))
         model_type, architecture = ARCHITECTURES[a]
+        embedding = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
         config = {
             "architectures": [architecture],
             "model_type": model_type,
-            "vocab_size": int(self.value(f"{a}.vocab_size") or len(self.need("tokenizer.ggml.tokens"))),
+            # The embedding's rows (a converter may cut rows past the tokenizer's vocabulary, as Gemma's does)
+            "vocab_size": int(embedding.shape[1]) if embedding is not None else int(
+                self.value(f"{a}.vocab_size") or len(self.need("tokenizer.ggml.tokens"))),
             "hidden_size": hidden,
             "intermediate_size": int(self.need(f"{a}.feed_forward_length")),
             "num_hidden_layers": int(self.need(f"{a}.block_count")),
@@ -137,10 +151,37 @@ class GGUFFile:
         config["rope_theta"] = theta  # transformers 4.x reads this one
         if model_type == "llama":
             config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        if a == "gemma3":
+            config |= self._gemma3_config(config, rope)
         for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
             if self.value(f"tokenizer.ggml.{key}") is not None:
                 config[name] = int(self.value(f"tokenizer.ggml.{key}"))
         return config
+
+    def _gemma3_config(self, config: dict, rope: dict) -> dict:
+        """Gemma 3's keys, as llama.cpp reads them: its sliding layers, their RoPE base, the attention scale."""
+        layers = config["num_hidden_layers"]
+        window = int(self.value("gemma3.attention.sliding_window") or 0)
+        pattern = self.value("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        if isinstance(pattern, list):  # one flag per layer
+            sliding = [bool(p) for p in pattern][:layers]
+        else:
+            pattern = int(pattern)
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+        types = ["sliding_attention" if s and window > 0 else "full_attention" for s in sliding]
+        # The 27B model (62 layers) scales scores by hidden/heads, the others by head_dim (llama.cpp, gemma_pytorch).
+        scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+        return {
+            "layer_types": types, "sliding_window": window or None, "query_pre_attn_scalar": scalar,
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+            "rope_parameters": {
+                "full_attention": rope,
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": float(self.value("gemma3.rope.freq_base_swa", 10000.0))},
+            },
+            "rope_local_base_freq": float(self.value("gemma3.rope.freq_base_swa", 10000.0)),  # transformers 4.x
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        }
 
     # ---- tensors ----------------------------------------------------------------------------
 
@@ -174,6 +215,8 @@ class GGUFFile:
             if self.arch == "llama" and stem in heads:
                 reorder = functools.partial(unpermute_rope_rows, heads=heads[stem])
                 value = value.map_rows(reorder) if isinstance(value, GroupCodes) else reorder(value)
+            if self.arch == "gemma3" and name.endswith("norm.weight"):  # stored as 1 + w, meant as w
+                value = value - 1.0
             out[name] = value
         return out
 
@@ -212,19 +255,31 @@ class GGUFFile:
         if stem in GLOBAL_TENSORS:
             return f"{GLOBAL_TENSORS[stem]}.{kind}"
         parts = stem.split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-            return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+        layer_tensors = GEMMA3_LAYER_TENSORS if self.arch == "gemma3" else LAYER_TENSORS
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+            return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{kind}"
         raise GGUFError(f"{self.path.name}: unexpected tensor {name}")
 
     # ---- tokenizer --------------------------------------------------------------------------
 
     def tokenizer(self) -> Tokenizer:
         kind = self.value("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise GGUFError(f"{self.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)")
         tokens = list(self.need("tokenizer.ggml.tokens"))
-        merges = [tuple(m.split(" ", 1)) for m in self.need("tokenizer.ggml.merges")]
         token_types = list(self.value("tokenizer.ggml.token_type") or [])
+        if kind == "llama":  # SentencePiece; llama.cpp prefixes a space unless the file says not to
+            unknown = self.value("tokenizer.ggml.unknown_token_id")
+            tokenizer = sentencepiece_tokenizer(tokens, token_types, tokens[int(unknown)] if unknown is not None else None,
+                                                add_space_prefix=bool(self.value("tokenizer.ggml.add_space_prefix", True)))
+        elif kind == "gpt2":
+            tokenizer = self._byte_level_tokenizer(tokens, token_types)
+        else:
+            raise GGUFError(f"{self.path.name}: tokenizer model {kind!r} is not supported "
+                            "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
+        self._add_bos(tokenizer, tokens, byte_level=kind == "gpt2")
+        return tokenizer
+
+    def _byte_level_tokenizer(self, tokens: list[str], token_types: list[int]) -> Tokenizer:
+        merges = [tuple(m.split(" ", 1)) for m in self.need("tokenizer.ggml.merges")]
         tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                          ignore_merges=False))
         tokenizer.pre_tokenizer = self._pre_tokenizer()
@@ -235,14 +290,21 @@ class GGUFFile:
                 for t, kind in zip(tokens, token_types) if kind == TOKEN_TYPE_USER_DEFINED]
         tokenizer.add_special_tokens(special)
         tokenizer.add_tokens(user)
+        return tokenizer
+
+    def _add_bos(self, tokenizer: Tokenizer, tokens: list[str], byte_level: bool) -> None:
+        """BOS before every encoded text where the file says so (llama.cpp's default for SentencePiece: yes)."""
         bos_id = self.value("tokenizer.ggml.bos_token_id")
-        if self.value("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+        if self.adds_bos and bos_id is not None:
             bos = tokens[int(bos_id)]
             tokenizer.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))])
-        else:
+        elif byte_level:
             tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-        return tokenizer
+
+    @property
+    def adds_bos(self) -> bool:
+        return bool(self.value("tokenizer.ggml.add_bos_token", self.value("tokenizer.ggml.model") == "llama"))
 
     def _pre_tokenizer(self):
         pre = self.value("tokenizer.ggml.pre", "default")
@@ -267,7 +329,7 @@ class GGUFFile:
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
             "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id"),
-            "add_bos_token": bool(self.value("tokenizer.ggml.add_bos_token", False)),
+            "add_bos_token": self.adds_bos,
             "model_max_length": int(self.need(f"{self.arch}.context_length")),
             "clean_up_tokenization_spaces": False,
         }

@@ -1,6 +1,9 @@
 // One decode step's attention, read where the keys and values lie in the cache:
-//   out[r, i] = softmax_t(q[r, i]·K[slot r, i / g, t] / sqrt(d)) · V[slot r, i / g, t],  t = 0..positions[r],
+//   out[r, i] = softmax_t(q[r, i]·K[slot r, i / g, t] / sqrt(d)) · V[slot r, i / g, t],  t in keys(r),
 // for each row r and query head i, g = h_q / h_kv query heads per K/V head (the Hugging Face order).
+// Position p is stored at entry p mod C of a layer of C entries per slot (C = T: every position has its own; a
+// sliding layer may hold only its window, a ring). keys(r), for p = positions[r] and a window W (0: none):
+// entries max(0, p - W + 1)..p while p < C, else all C entries (a ring holds exactly the window's keys: C <= W).
 //
 // A compiled decode step otherwise gathers each row's keys out of the cache, or loops over them in a form that
 // reads them more than once; at long contexts (hundreds of keys and more) that, not the weights, is most of a
@@ -117,7 +120,7 @@ void attend_chunk(Scratch& scratch, const T* keys, const T* values, int64_t begi
 
 template <typename T, typename Q>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slot_index,
-                  const at::Tensor& positions) {
+                  const at::Tensor& positions, int64_t window) {
   const int64_t b = q.size(0), h_q = q.size(1), d = q.size(3);
   const int64_t slots = keys.size(0), h_kv = keys.size(1), capacity = keys.size(2);
   const int64_t g = h_q / h_kv;
@@ -126,12 +129,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const int64_t* position = positions.data_ptr<int64_t>();
   // Row r's chunks are first[r]..first[r+1] - 1, of length[r] keys each (its last one shorter): as few as
   // chunks of at most kChunk allow, and as even as they can be, so that the threads' shares are too.
-  std::vector<int64_t> first(b + 1, 0), length(b);
+  std::vector<int64_t> first(b + 1, 0), length(b), lowest(b), count(b);
   for (int64_t r = 0; r < b; ++r) {
-    TORCH_CHECK(0 <= slot[r] && slot[r] < slots && 0 <= position[r] && position[r] < capacity,
-                "slot_index and positions must fall inside the cache");
-    const int64_t chunks = (position[r] + kChunk) / kChunk;  // position + 1 keys
-    length[r] = (position[r] + chunks) / chunks;
+    const int64_t p = position[r];
+    TORCH_CHECK(0 <= slot[r] && slot[r] < slots && 0 <= p && (p < capacity || (window > 0 && capacity <= window)),
+                "slot_index and positions must fall inside the cache (past its end only in a ring of the window)");
+    lowest[r] = p < capacity && window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+    count[r] = p < capacity ? p + 1 - lowest[r] : capacity;
+    const int64_t chunks = (count[r] + kChunk - 1) / kChunk;
+    length[r] = (count[r] + chunks - 1) / chunks;
     first[r + 1] = first[r] + chunks;
   }
   std::vector<int64_t> row_of(first[b]);
@@ -146,7 +152,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     Scratch scratch(g, d);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t chunk = task / h_kv, head = task % h_kv, r = row_of[chunk];
-      const int64_t begin = (chunk - first[r]) * length[r], end = std::min(begin + length[r], position[r] + 1);
+      const int64_t begin = lowest[r] + (chunk - first[r]) * length[r];
+      const int64_t end = std::min(begin + length[r], lowest[r] + count[r]);
       for (int64_t h = 0; h < g; ++h) {
         const Q* qh = q_data + r * q.stride(0) + (head * g + h) * q.stride(1);
         for (int64_t j = 0; j < d; ++j) scratch.queries[h * d + j] = to_float(qh[j]) * scale;
@@ -182,7 +189,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& slot_index, const at::Tensor& positions) {
+                            const at::Tensor& slot_index, const at::Tensor& positions, int64_t window) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "q: (b, h_q, 1, d)");
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
                   keys.scalar_type() == values.scalar_type() && keys.size(3) == q.size(3) &&
@@ -191,13 +198,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
                   slot_index.is_contiguous() && positions.is_contiguous() && slot_index.numel() == q.size(0) &&
                   positions.numel() == q.size(0), "slot_index (b,) and positions (b, 1): contiguous int64");
   TORCH_CHECK(q.stride(3) == 1 && q.scalar_type() == keys.scalar_type(), "q: each head's d contiguous, of the cache's dtype");
-  if (keys.scalar_type() == at::kBFloat16) return attend<at::BFloat16, at::BFloat16>(q, keys, values, slot_index, positions);
+  if (keys.scalar_type() == at::kBFloat16) return attend<at::BFloat16, at::BFloat16>(q, keys, values, slot_index, positions, window);
   TORCH_CHECK(keys.scalar_type() == at::kFloat, "keys and values: bfloat16 or float32");
-  return attend<float, float>(q, keys, values, slot_index, positions);
+  return attend<float, float>(q, keys, values, slot_index, positions, window);
 }
 
 at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&) {
+                                 const at::Tensor&, int64_t) {
   return at::empty_symint(q.sym_sizes(), q.options().dtype(keys.scalar_type()));
 }
 
@@ -205,7 +212,7 @@ at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor& keys, co
 }  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slot_index, Tensor positions) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slot_index, Tensor positions, int window) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_attention", &kvserve::decode_attention); }
 TORCH_LIBRARY_IMPL(kvserve, Meta, m) { m.impl("decode_attention", &kvserve::decode_attention_meta); }
