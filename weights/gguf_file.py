@@ -19,18 +19,20 @@ import functools
 import json
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as dequantize_blocks
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
 from engine.quantization import GroupCodes
+from weights.gguf_reader import GGUFFormatError, Reader
 from weights.sentencepiece import sentencepiece_tokenizer
 
 SUPPORTED_TYPES = {
@@ -94,15 +96,17 @@ class GGUFError(ValueError):
 class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.reader = GGUFReader(str(self.path))
+        try:
+            self.reader = Reader(self.path)
+        except (GGUFFormatError, struct.error, ValueError) as e:  # cut short, or not a GGUF at all
+            raise GGUFError(f"{self.path.name}: cannot be read as a GGUF file ({e})") from None
         self.arch = self.value("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise GGUFError(f"{self.path.name}: architecture {self.arch!r} is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
 
     def value(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.reader.fields.get(key, default)
 
     def need(self, key: str):
         value = self.value(key)
