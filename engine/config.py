@@ -120,7 +120,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Read a `config.json` as written by transformers 4.x or 5.x."""
+        """Read a `config.json` as written by transformers 4.x or 5.x.
+
+        Gemma 3 4B and larger are vision-language models (`gemma3`): their `text_config` is the text model
+        served here. Gemma's configs leave out what equals its class's defaults; those are filled in.
+        """
+        if raw.get("model_type") == "gemma3":
+            raw = text_model_config(raw)
+        if raw.get("model_type") == "gemma3_text":
+            raw = GEMMA3_TEXT_DEFAULTS | raw
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -172,6 +180,25 @@ class ModelConfig:
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
             hidden_activation=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
         )
+
+
+# transformers' Gemma3TextConfig defaults, for the keys a Hub config may leave out (Gemma 3 4B's text_config lists
+# six keys); sliding_window_pattern is read in _read_layer_types.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+}
+
+
+def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language Gemma 3's text model, as a Gemma3ForCausalLM config (the vision tower is not served)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError("config.json: model_type 'gemma3' without a text_config")
+    tied = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return text | {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "tie_word_embeddings": tied}
 
 
 def _read_layer_types(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[str, ...]:

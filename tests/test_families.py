@@ -116,3 +116,32 @@ def test_a_gguf_serves_the_same_tokens_as_its_folder(family, model_dir, make_eng
     assert load_config(imported) == load_config(path)
     want = [c.output_ids for c in make_engine(path).generate(PROMPTS, greedy(24))]
     assert [c.output_ids for c in make_engine(imported).generate(PROMPTS, greedy(24))] == want
+
+
+def test_a_vision_language_gemma3_serves_its_text_model(tmp_path, make_engine):
+    """Gemma 3 4B and larger are Gemma3ForConditionalGeneration: kvserve serves the text model inside (the vision
+    tower's tensors are left unread), as transformers computes it on text alone."""
+    import transformers
+
+    from tests.tiny import train_tokenizer, write_tokenizer
+
+    write_tokenizer(tmp_path, train_tokenizer())
+    text = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=256,
+                layer_types=["sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = make_engine(tmp_path)
+    assert engine.model.config.model_type == "gemma3_text"
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(engine.prompt_logits(ids), theirs, atol=1e-4, rtol=1e-4)

@@ -25,14 +25,35 @@ class CheckpointError(ValueError):
     """A checkpoint folder or tensor that kvserve cannot load; the message names the file or tensor."""
 
 
-def load_config(path: str | Path) -> ModelConfig:
+def raw_config(path: str | Path) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model folder)")
     try:
-        return ModelConfig.from_hf(json.loads(config_file.read_text(encoding="utf-8")))
+        return json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_hf(raw_config(path))
+
+
+# A vision-language Gemma 3's text model, as transformers 4.x and 5.x name its tensors; the vision tower is not served.
+TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text model's tensors under Gemma3ForCausalLM's names."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith(VISION_PREFIXES):
+            continue
+        prefix = next((p for p in TEXT_MODEL_PREFIXES if name.startswith(p)), None)
+        out[TEXT_MODEL_PREFIXES[prefix] + name[len(prefix):] if prefix else name] = tensor
+    return out
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -162,12 +183,15 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
+    raw = raw_config(path)
     try:
-        config = load_config(path)
+        config = ModelConfig.from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     gguf = path / WEIGHTS_NAME
     tensors = GGUFFile(gguf).tensors(progress=False, codes=codes) if gguf.is_file() else read_tensors(path)
+    if raw.get("model_type") == "gemma3":
+        tensors = text_model_tensors(tensors)
     check_tensors(tensors, config, str(path))
     return config, to_model_state(tensors, config, dtype)
 
