@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from functools import cached_property
 from pathlib import Path
 
@@ -50,11 +49,9 @@ class Tokenizer:
         template = ChatTemplate(template_text, bos_token=bos_token or "", eos_token=eos_token or "") if template_text else None
         return cls(backend, tuple(dict.fromkeys(eos_ids)), bos_token, template, eos_token)
 
-    @cached_property
-    def special_pattern(self) -> re.Pattern:
-        """Matches any special token's text (one never matches where there are none)."""
-        texts = sorted((t.content for t in self.backend.get_added_tokens_decoder().values() if t.special), key=len)
-        return re.compile("|".join(map(re.escape, reversed(texts))) or r"(?!)")
+    def reads_special(self, text: str) -> bool:
+        """Whether the text holds a special token's text (as the tokenizer itself finds them)."""
+        return any(i in self.special_ids for i in self.encoding(text, add_special_tokens=False).ids)
 
     @cached_property
     def max_token_chars(self) -> int:
@@ -84,7 +81,7 @@ class Tokenizer:
         each by its own rule. A template that changes content beyond recognition gets the plain rendering.
         """
         contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
-        if parse_special or not any(self.special_pattern.search(text) for text in contents):
+        if parse_special or not any(self.reads_special(text) for text in contents):
             # Nothing typed that could read as a marker: the whole rendering at once, as transformers tokenizes it
             # (tokenized piece by piece, SentencePiece would begin each piece as a new text, with its space mark).
             return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)

@@ -23,7 +23,9 @@ TEXTS = [
     "  two leading spaces", "a  b   c    d\t\te", "tabs\tand\nnewlines\n\n\nend", "trailing  ", " ", "",
     "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
 ]
-STYLES = {"llama": True, "gemma": False}  # style -> the space prefix SentencePiece adds (add_dummy_prefix)
+STYLES = {"llama": True, "gemma": False}
+TURNS = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")  # style -> the space prefix SentencePiece adds (add_dummy_prefix)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +69,7 @@ def vocabulary_writer(processor, space_prefix: bool):
         writer.add_eos_token_id(2)
         writer.add_add_bos_token(True)
         writer.add_add_space_prefix(space_prefix)
+        writer.add_chat_template(TURNS)
 
     return write
 
@@ -119,3 +122,11 @@ def test_the_server_tokenizes_and_detokenizes_a_sentencepiece_model(style, sente
         assert wrong.status_code == 422 and "[0, 400)" in wrong.json()["error"]
         reply = httpx.post(f"{server.url}/generate", json={"inputs": text, "parameters": {"max_new_tokens": 4}})
         assert reply.status_code == 200 and isinstance(reply.json()["generated_text"], str)
+    # A chat is tokenized as its whole rendering (as transformers tokenizes it), not piece by piece: SentencePiece
+    # would begin every piece with a space mark.
+    from engine.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "Hello  world, how are you?"}, {"role": "model", "content": TEXTS[3]}]
+    rendered = Tokenizer.from_dir(imported).render_chat(messages)
+    assert rendered.startswith("<start_of_turn>user\nHello  world")
+    assert Tokenizer.from_dir(imported).encode_chat(messages) == theirs(rendered, add_special_tokens=False)["input_ids"]
