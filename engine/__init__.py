@@ -1,4 +1,5 @@
-"""kvserve's engine: a Llama-family model, its KV cache, sampling and continuous batching.
+"""kvserve's engine: a decoder model (Llama, Mistral, Qwen2/3, Gemma 3), its KV cache, sampling and continuous
+batching.
 
 The names below are imported on first use, so that a light submodule (engine.cache_file, which
 `python -m weights pull` uses) can be imported without torch.
