@@ -127,6 +127,8 @@ def test_the_server_tokenizes_and_detokenizes_a_sentencepiece_model(style, sente
     from engine.tokenizer import Tokenizer
 
     messages = [{"role": "user", "content": "Hello  world, how are you?"}, {"role": "model", "content": TEXTS[3]}]
-    rendered = Tokenizer.from_dir(imported).render_chat(messages)
+    tokenizer = Tokenizer.from_dir(imported)
+    assert tokenizer.eos_token_ids == (2, 4)  # </s>, and <end_of_turn> (a control token that ends a turn)
+    rendered = tokenizer.render_chat(messages)
     assert rendered.startswith("<start_of_turn>user\nHello  world")
-    assert Tokenizer.from_dir(imported).encode_chat(messages) == theirs(rendered, add_special_tokens=False)["input_ids"]
+    assert tokenizer.encode_chat(messages) == theirs(rendered, add_special_tokens=False)["input_ids"]

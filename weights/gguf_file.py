@@ -46,6 +46,8 @@ WEIGHTS_NAME = "model.gguf"  # an imported folder's weights: the GGUF itself
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+# Control tokens that end a turn (Llama 3, ChatML, Phi-3, Gemma), as llama.cpp's vocabulary marks them end-of-generation
+END_OF_TURN = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>"})
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 LAYER_TENSORS = {
@@ -344,7 +346,21 @@ class GGUFFile:
 
     def generation_config(self) -> dict:
         config = {k: v for k, v in self.hf_config().items() if k.endswith("_token_id")}
+        ends = self.end_of_turn_ids()
+        if ends:
+            config["eos_token_id"] = list(dict.fromkeys([config["eos_token_id"], *ends] if "eos_token_id" in config
+                                                        else ends))
         return config | {"do_sample": False}
+
+    def end_of_turn_ids(self) -> list[int]:
+        """Control tokens that end a turn, which generation stops at as at EOS (an instruct model's `<end_of_turn>`
+        or `<|eot_id|>` is not its file's eos_token_id): the file's eot/eom ids and, as llama.cpp finds them, the
+        control tokens named so."""
+        ids = [int(self.value(f"tokenizer.ggml.{key}_token_id")) for key in ("eot", "eom")
+               if self.value(f"tokenizer.ggml.{key}_token_id") is not None]
+        tokens, types = self.need("tokenizer.ggml.tokens"), self.value("tokenizer.ggml.token_type") or []
+        return ids + [i for i, (text, kind) in enumerate(zip(tokens, types))
+                      if kind == TOKEN_TYPE_CONTROL and text in END_OF_TURN]
 
 
 def unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
