@@ -89,8 +89,9 @@ def test_compiled_step_equals_eager(family, kernels, model_dir, make_engine, mon
     assert counters["frames"]["total"] == frames  # every step on the graphs compiled up front, past the rings' ends
 
 
-def test_gemma3_through_the_real_server_equals_transformers(model_dir, hf_model):
-    path = model_dir("gemma3")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_through_the_real_server_equals_transformers(family, model_dir, hf_model):
+    path = model_dir(family)
     reference = hf_model(path)
     with serve(path, max_seq_len=256) as server:
         for prompt in PROMPTS[:2]:
