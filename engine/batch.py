@@ -117,6 +117,7 @@ class DecodeBatch:
     slot_index: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)
     mask: torch.Tensor | None = field(init=False)
+    _ring_entries: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slot_index = torch.tensor(self.slots, device=self.device)
@@ -134,12 +135,18 @@ class DecodeBatch:
         """Keys read per row: the longest slot's, not the cache's T, so cost follows what is filled."""
         return max(self.lengths) + 1
 
+    def ring_entries(self, capacity: int) -> torch.Tensor:
+        """Where each row's position lives in a ring of `capacity` entries (b,): computed once per step, not per layer."""
+        if capacity not in self._ring_entries:
+            self._ring_entries[capacity] = self.positions[:, 0] % capacity
+        return self._ring_entries[capacity]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                window: int | None) -> torch.Tensor:
         """Write k, v (b, h_kv, 1, d) at each slot's position (a ring: at position mod C); attend q (b, h_q, 1, d)
         over each row's keys."""
         capacity = cache.keys.shape[2]
-        entries = self.positions[:, 0] % capacity if cache.ring else self.positions[:, 0]
+        entries = self.ring_entries(capacity) if cache.ring else self.positions[:, 0]
         cache.keys[self.slot_index, :, entries] = k[:, :, 0]
         cache.values[self.slot_index, :, entries] = v[:, :, 0]
         if self.reads_cache:  # each row's keys up to its position (within the window) of its slot, read in place

@@ -177,7 +177,7 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=raw.get("sliding_window") if layer_types else None,
             local_rope_theta=local_theta,
-            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
+            query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if gemma else None,  # filled by the defaults
             hidden_activation=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
         )
 

@@ -306,7 +306,7 @@ class Engine:
     @property
     def cache_kept_bytes(self) -> int:
         """Cache bytes that free slots keep for reuse by later requests sharing their prefix."""
-        return sum(self.cache.used_bytes(len(self.scheduler.kept[slot])) for slot in self.scheduler.free_slots)
+        return sum(self.cache.used_bytes(n) for n in self.scheduler.kept_lengths)
 
     @property
     def compiled_graphs(self) -> tuple[str, ...]:

@@ -57,8 +57,8 @@ class KVCache:
             part.view(2, len(layers), *shape, c, config.head_dim)  # (2, L_g, B, h_kv, C_g, d_h)
             for part, (c, layers) in zip(self.storage.split(sizes), members.items()))
         # layer -> (its group, its index in the group)
-        self.places = tuple(next((g, layers.index(i)) for g, layers in enumerate(members.values()) if i in layers)
-                            for i in range(config.num_layers))
+        places = {i: (g, at) for g, layers in enumerate(members.values()) for at, i in enumerate(layers)}
+        self.places = tuple(places[i] for i in range(config.num_layers))
 
     def is_ring(self, index: int) -> bool:
         """Whether layer `index` keeps only its window, position p at entry p mod C (C <= W: never a key too old)."""

@@ -133,9 +133,9 @@ class Scheduler:
         return states
 
     @property
-    def kept_tokens(self) -> int:
-        """Tokens held by free slots for reuse."""
-        return sum(len(self.kept[slot]) for slot in self.free_slots)
+    def kept_lengths(self) -> list[int]:
+        """Tokens each free slot holds for reuse."""
+        return [len(self.kept[slot]) for slot in self.free_slots]
 
     @property
     def has_work(self) -> bool:
