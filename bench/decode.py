@@ -12,12 +12,13 @@ import torch
 from bench import llama_cpp
 from bench.common import Timing, machine, machine_line, markdown_table, plot, timed, write_results
 from engine import Engine, EngineConfig, SamplingParams
-from engine.cpu_linear import CpuLinear
-from engine.packed_linear import PackedLinear
-from engine.quantization import WeightOnlyLinear
-from engine.two_forms import TwoForms
+from engine.linear.dense import CpuLinear
+from engine.linear.dense import PackedLinear
+from engine.linear.quantized import WeightOnlyLinear
+from engine.linear.two_forms import TwoForms
 from weights.checkpoint import transformers_files
 from weights.gguf_file import WEIGHTS_NAME, import_gguf
+from weights.loading import load_engine
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> dict:
     path = resolve_model(args.model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     # Prefix caching off: every timed run repeats its prompts, and must compute them as the reference does.
-    ours = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=8, max_seq_len=1024,
+    ours = load_engine(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=8, max_seq_len=1024,
                                                      prefix_caching=False,
                                                      quantize=args.quantize, dense_copies=args.dense_copies == "on",
                                                      compile="on" if args.compile else "off"))

@@ -56,10 +56,10 @@ class Started:
 
 
 def cache_files(home: Path) -> list[Path]:
-    """The files kvserve keeps in `home`: its kernels and their forms, the model's files, and, of the compiled
+    """The files kvserve keeps in `home`: its kernels and the timings measured, the model's files, and, of the compiled
     graphs, the largest generated library and one entry of each of torch's caches."""
     compiled = home / "compiled"
-    found = sorted((compiled / "kvserve").glob("kernels-*.so")) + sorted((compiled / "kvserve").glob("kernels-*.forms.json"))
+    found = sorted((compiled / "kvserve").glob("kernels-*.so")) + sorted((compiled / "kvserve").glob("timings-*.json"))
     model = home / "models" / "smollm2-135m-instruct"
     found += [model / name for name in ("model.gguf", "config.json", "tokenizer.json")]
     generated = [p for p in compiled.rglob("*.so") if "kvserve" not in p.parts]
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> dict:
     return payload
 
 
-REPAIR_NAMES = {"kvserve's kernels at": "kernels rebuilt", "product forms": "forms measured again",
+REPAIR_NAMES = {"kvserve's kernels at": "kernels rebuilt", "measured timings": "timings measured again",
                 "cached model": "model imported again", "compiled graphs in": "compiled graphs removed",
                 "compiled files in": "unrecorded compiled files removed", "cannot be written": "a temporary folder"}
 

@@ -19,6 +19,7 @@ import httpx
 import torch
 
 from bench.common import free_port, machine, machine_line, markdown_table, plot, timed, write_results
+from weights.loading import load_engine
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -122,10 +123,10 @@ def offline(args: argparse.Namespace, prompt: str, new_tokens: int, rows: int) -
     if args.url:
         return None
     from bench.decode import matmul_floor
-    from engine import Engine, EngineConfig, SamplingParams
+    from engine import EngineConfig, SamplingParams
     from weights.resolve import resolve_model
 
-    engine = Engine.from_pretrained(resolve_model(args.model), EngineConfig(
+    engine = load_engine(resolve_model(args.model), EngineConfig(
         dtype=args.dtype, max_batch_size=args.max_batch_size, prefix_caching=False, max_seq_len=1024,
         quantize=args.quantize, dense_copies=args.dense_copies == "on", compile=args.compile))
     engine.compile()  # as the server will decode

@@ -15,7 +15,6 @@ from bench.common import machine, machine_line, markdown_table, plot, timed, wri
 from bench.memory import variants
 from bench.synthetic import default_shape, random_model
 from engine.batch import DecodeBatch, PrefillBatch
-from engine.cpu_linear import use_fastest_products
 from engine.device import DTYPES
 from engine.kv_cache import KVCache
 from engine.rope import RotaryTable
@@ -33,7 +32,7 @@ def run(args: argparse.Namespace) -> dict:
     series: dict[str, tuple[list, list]] = {}
     for name, h_kv in variants(base).items():
         config = dataclasses.replace(base, num_kv_heads=h_kv)
-        model = use_fastest_products(random_model(config, dtype))  # as an engine runs it
+        model = random_model(config, dtype)  # planned as an engine runs it
         capacity = max(contexts) + 1
         cache = KVCache(config, max(batches), capacity, cpu, dtype)
         cache.storage.normal_()  # stands in for a filled prefix: the values do not change the cost

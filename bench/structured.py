@@ -16,8 +16,9 @@ import time
 import jsonschema
 
 from bench.common import machine, machine_line, markdown_table, write_results
-from engine import Engine, EngineConfig, SamplingParams
+from engine import EngineConfig, SamplingParams
 from engine.grammar import json_schema_grammar
+from weights.loading import load_engine
 
 PERSON = {  # a typical response schema: nested object, enum, bounded array and integer, required fields
     "type": "object",
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> dict:
     batches = [1, 4] if args.quick else [1, 16]
     samples = 8 if args.quick else args.samples
     repeats = 1 if args.quick else args.repeats
-    engine = Engine.from_pretrained(resolve_model(args.model), EngineConfig(
+    engine = load_engine(resolve_model(args.model), EngineConfig(
         device="cpu", dtype=args.dtype, max_batch_size=max(batches), max_seq_len=args.max_tokens + 256,
         prefix_caching=False, compile=args.compile, seed=0))
     engine.compile()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine, EngineConfig, ModelConfig
-from engine.model import Transformer
+from engine.models.model import Transformer, build_model
 
 
 def default_shape(**overrides) -> ModelConfig:
@@ -17,14 +17,19 @@ def default_shape(**overrides) -> ModelConfig:
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(config)
-    for name, param in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
-            param.data.fill_(1.0)
+    """Norms of ones, every other weight N(0, 0.02), each linear layer planned as for a checkpoint (dense, on the CPU)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = Transformer(config).state_dict()  # tied weights once: the head's name is the embedding's
+    state: dict[str, torch.Tensor] = {}
+    for name, meta in shapes.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            state[name] = state["embed_tokens.weight"]
+        elif name.endswith("norm.weight"):
+            state[name] = torch.ones(meta.shape, dtype=dtype)
         else:
-            param.data.normal_(0.0, 0.02)
-    return model.to(dtype).eval().requires_grad_(False)
+            state[name] = (torch.randn(meta.shape, generator=generator) * 0.02).to(dtype)
+    return build_model(config, state, torch.device("cpu"))
 
 
 def random_engine(config: ModelConfig, dtype: torch.dtype, slots: int, max_seq_len: int,

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from bench.common import free_port, machine, machine_line, markdown_table, write_results
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ModelConfig
-from engine.model import Transformer, build_model
+from engine.models.model import Transformer, build_model
 from engine.tensor_parallel import Shard, cpu_group, shard_model
 from engine.tokenizer import Tokenizer
 from weights.checkpoint import load_checkpoint

@@ -10,7 +10,7 @@ from functools import cached_property
 
 import torch
 
-from engine.attention import grouped_attention
+from engine.models.attention import grouped_attention
 from engine.kv_cache import LayerCache
 
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# model_type -> the Hugging Face class of its checkpoints (how each composes the shared parts: engine/architecture.py)
+# model_type -> the Hugging Face class of its checkpoints (how each composes the shared parts: engine/models/architecture.py)
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

@@ -41,27 +41,3 @@ def cpu_description() -> str:
     except OSError:
         return ""
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-
-
-def served_checkpoint(path, quantize: str, dtype: str, device: torch.device) -> tuple:
-    """The checkpoint at `path` as an engine serves it: (model config, state, quantize mode), weights in the dtype
-    and form (`quantized_mode`) that `build_model` then takes with that mode."""
-    from weights.checkpoint import load_checkpoint  # weights builds on engine: imported when used
-
-    mode = quantized_mode(path, quantize, dtype, device)
-    loaded_dtype = torch.bfloat16 if mode != "none" else resolve_dtype(dtype, device)
-    config, state = load_checkpoint(path, loaded_dtype, codes=mode != "none")
-    return config, state, mode
-
-
-def quantized_mode(path, quantize: str, dtype: str, device: torch.device) -> str:
-    """What `quantize` resolves to for the checkpoint at `path`: auto serves a GGUF's quantized matrices as
-    stored, on the CPU in bfloat16 (or auto) only; anything else dense ("none")."""
-    from weights.checkpoint import stores_quantized  # weights builds on engine: imported when used
-
-    mode = quantize
-    if mode == "auto" and not (device.type == "cpu" and dtype in ("auto", "bfloat16") and stores_quantized(path)):
-        mode = "none"
-    if mode != "none" and device.type != "cpu":
-        raise ValueError(f"quantize={mode!r} runs on CPU kernels; on {device} serve dense weights")
-    return mode

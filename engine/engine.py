@@ -6,25 +6,22 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from engine.batch import PrefillBatch
-from engine.cpu_linear import use_fastest_products
-from engine.device import resolve_device, served_checkpoint
 from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
 from engine.grammar import Grammars, allowed_tokens, short
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
-from engine.model import Transformer, build_model
-from engine.quantization import QUANTIZE_MODES, WeightOnlyLinear, weights_bytes
+from engine.linear.planner import QUANTIZE_MODES, summary
+from engine.linear.quantized import WeightOnlyLinear
+from engine.models.model import Transformer, weights_bytes
 from engine.request import FinishReason, Request, RequestFailed, TokenEvent
 from engine.rope import RotaryTable
 from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
-from engine.two_forms import keep_dense_copies, tie_quantized_head
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
@@ -41,6 +38,7 @@ class EngineConfig:
     dtype: str = "auto"
     prefill_chunk_size: int = 512  # prompt tokens per forward pass; bounds prefill memory
     seed: int | None = None  # seeds the seeds of requests that bring none
+    # How weights.load_engine builds the model (engine/linear/planner.py), then the engine runs it as built.
     # Weight-only quantized products (CPU, bfloat16 activations). auto: a GGUF's quantized matrices served as
     # stored when dtype is auto or bfloat16, else dense; none: dense; int4, int8: float weights quantized at load.
     quantize: str = "auto"
@@ -93,7 +91,6 @@ class Engine:
         model_config = model.config
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        use_fastest_products(model)  # on the CPU: each product in the order and dtype its kernels run fastest
         max_seq_len = config.max_seq_len or min(model_config.max_position_embeddings, 2048)
         if max_seq_len > model_config.max_position_embeddings:
             raise ValueError(
@@ -101,10 +98,6 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         slots = self._slots(model_config, max_seq_len)
-        # A quantized tied head: codes or the dense embedding (with dense copies, a packed copy of it), as measured.
-        tie_quantized_head(model, max_rows=slots, copy=config.dense_copies)
-        if config.dense_copies and self.device.type == "cpu":  # codes or a dense copy, as measured, up to a chunk
-            keep_dense_copies(model, max_rows=max(slots, config.prefill_chunk_size))
         self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype, config.full_windows)
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
         self.scheduler = Scheduler(slots, config.prefix_caching, copy_min_tokens=config.prefill_chunk_size,
@@ -115,6 +108,8 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(config.seed if config.seed is not None else torch.seed())
         self._grammars: Grammars | None = None
         self._grammars_made = threading.Lock()
+        for entry in summary(list(model.plan)):  # which layer serves each product, decided as the model was built
+            log.info("linear %s (x%d): %s, %s", entry["matrices"], entry["count"], entry["layer"], entry["reason"])
         log.info(self.cache.describe())
 
     def _slots(self, model_config, max_seq_len: int) -> int:
@@ -129,13 +124,6 @@ class Engine:
                 "raise it or lower max_seq_len"
             )
         return slots
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
-        device = resolve_device(config.device)
-        model_config, state, mode = served_checkpoint(path, config.quantize, config.dtype, device)
-        model = build_model(model_config, state, device, quantize=mode)
-        return cls(model, Tokenizer.from_dir(path), config)
 
     # ---- the public API --------------------------------------------------------------------
 

@@ -30,14 +30,14 @@ from typing import Callable
 
 import torch
 
-from engine.attention import broadcast_attention, grouped_attention
+from engine.models.attention import broadcast_attention, grouped_attention
 from engine.batch import DecodeBatch
 from engine.captured_steps import CapturedSteps
 from engine.kv_cache import KVCache, LayerCache
-from engine.model import Transformer
-from engine.native import kernels_run_on
+from engine.models.model import Transformer
+from engine.linear.native import kernels_run_on
 from engine.rope import RotaryTable
-from engine.two_forms import TwoForms
+from engine.linear.two_forms import TwoForms
 
 log = logging.getLogger("kvserve.executor")
 

@@ -31,10 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.device import resolve_device, served_checkpoint
-from engine.model import Transformer, build_model
-from engine.quantization import GROUP_SIZE, GroupCodes
-from engine.tokenizer import Tokenizer
+from engine.linear.codes import GROUP_SIZE, GroupCodes
+from engine.linear.planner import Planner
+from engine.models.model import Transformer, build_model
 
 
 Weight = torch.Tensor | GroupCodes
@@ -115,8 +114,9 @@ def shard_checkpoint(config: ModelConfig, state: dict[str, Weight], shard: Shard
                 raise ValueError(f"a rank's {part.stop - part.start} input columns are not whole groups of "
                                  f"{GROUP_SIZE}: serve this split with --quantize none")
             groups = slice(part.start // GROUP_SIZE, part.stop // GROUP_SIZE)
-            return GroupCodes(tensor.codes[:, part].contiguous(), tensor.scale[:, groups].contiguous(),
-                              tensor.minimum[:, groups].contiguous(), tensor.bits)
+            return dataclasses.replace(tensor, codes=tensor.codes[:, part].contiguous(),
+                                       scale=tensor.scale[:, groups].contiguous(),
+                                       minimum=tensor.minimum[:, groups].contiguous())
         return tensor[:, part].contiguous()
 
     def vocabulary(tensor: Weight) -> Weight:  # (V, hidden) -> (ceil(V/N), hidden), zero-padded (zero codes too)
@@ -213,19 +213,10 @@ def parallelize(model: nn.Module, config: ModelConfig, shard: Shard, group: dist
 
 
 def shard_model(config: ModelConfig, state: dict[str, Weight], shard: Shard, device: torch.device,
-                group: dist.ProcessGroup | None = None, quantize: str = "none") -> Transformer:
-    """The rank's part of a checkpoint, built (`build_model`'s `quantize`) and made to compute the whole model's
-    outputs with the group."""
-    return parallelize(build_model(*shard_checkpoint(config, state, shard), device, quantize), config, shard, group)
-
-
-def load_shard(path, device: str, dtype: str, quantize: str, shard: Shard, group: dist.ProcessGroup | None = None
-               ) -> tuple[Transformer, Tokenizer]:
-    """The rank's part of the checkpoint at `path`, with its tokenizer; weights as `Engine.from_pretrained` serves
-    them (`served_checkpoint`)."""
-    resolved = resolve_device(device)
-    config, state, mode = served_checkpoint(path, quantize, dtype, resolved)
-    return shard_model(config, state, shard, resolved, group, mode), Tokenizer.from_dir(path)
+                group: dist.ProcessGroup | None = None, planner: Planner | None = None) -> Transformer:
+    """The rank's part of a checkpoint, built (each matrix as `planner` decides) and made to compute the whole
+    model's outputs with the group."""
+    return parallelize(build_model(*shard_checkpoint(config, state, shard), device, planner), config, shard, group)
 
 
 @contextmanager

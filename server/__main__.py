@@ -17,6 +17,7 @@ from server import compile_cache, tensor_parallel
 from server.compile_cache import CompileCache
 from server.runner import EngineRunner
 from server.settings import Settings, parse
+from weights.loading import load_engine
 
 
 class Server(uvicorn.Server):
@@ -51,7 +52,7 @@ def build(settings: Settings, cache: CompileCache) -> Server:
         path = resolve_model(settings.model)
         logging.getLogger("kvserve").info("loading %s", path)
         if settings.tensor_parallel_size == 1:
-            return Engine.from_pretrained(path, settings.engine_config())
+            return load_engine(path, settings.engine_config())
         engine, server.workers = tensor_parallel.start(settings, str(path), on_worker_exit)
         return engine
 

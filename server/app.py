@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.linear.planner import served_by_type, summary
 from server import generation, openai_api, tgi
 from server.errors import APIError, GenerationFailed, error_response
 from server.metrics import Metrics
@@ -74,6 +75,8 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
             "max_queue": runner.max_queue, "compiled_decode": list(engine.compiled_graphs),
             "quantized": engine.quantized, "weights_bytes": runner.weights_bytes,
             "prefix_caching": engine.config.prefix_caching,
+            # Which layer serves each linear product and why, decided once as the model was built.
+            "linear_layers": summary(list(engine.model.plan)), "weights_served": served_by_type(list(engine.model.plan)),
             "kv_cache": kv_cache_info(cache, config),
             # Each rank's cache holds its own K/V heads (h_kv above is per rank); every rank's is the same size.
             "tensor_parallel": {"size": engine.tensor_parallel_size, "kv_cache_bytes_per_rank": cache.capacity_bytes,

@@ -34,6 +34,7 @@ from typing import Iterator
 
 from engine import cache_file
 from engine.cache_file import CacheMiss
+from weights.loading import load_engine
 
 log = logging.getLogger("kvserve.compile_cache")
 
@@ -210,7 +211,6 @@ def die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine import Engine
     from server.settings import parse
     from weights.resolve import resolve_model
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(int(os.environ["KVSERVE_COMPILE_PARENT"]))
     settings = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine.from_pretrained(resolve_model(settings.model, progress=False), settings.engine_config())
+    engine = load_engine(resolve_model(settings.model, progress=False), settings.engine_config())
     engine.compile()
     return 0
 

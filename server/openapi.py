@@ -71,6 +71,8 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
                                                          {"max_model_len": INT}))}),
     "Info": obj({"model_id": STR, "dtype": STR, "device": STR, "max_batch_size": INT, "max_seq_len": INT,
                  "quantized": BOOL, "weights_bytes": INT, "prefix_caching": BOOL, "compiled_decode": array(STR),
+                 "linear_layers": array(obj({"matrices": STR, "count": INT, "layer": STR, "reason": STR})),
+                 "weights_served": {"type": "object", "additionalProperties": STR},
                  "kv_cache": obj({"capacity_bytes": INT})}),
     "Health": obj({"status": STR}),
     "Slots": obj({"slots": array(obj({"slot": INT, "state": {"enum": ["free", "prefill", "decode"]}, "tokens": INT,

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kv_cache import format_bytes
-from engine.tensor_parallel import PeerLost, Shard, load_shard
+from engine.tensor_parallel import PeerLost, Shard
+from weights.loading import load_shard
 
 log = logging.getLogger("kvserve.tensor_parallel")
 

@@ -7,6 +7,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from tests.tiny import write_model
+from weights.loading import load_engine
 
 GEMMA3 = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
               tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -56,7 +57,7 @@ def tiny_dir(model_dir) -> Path:
 def make_engine(tiny_dir):
     def make(path: Path | None = None, **settings) -> Engine:
         settings = {"device": "cpu", "dtype": "float32", "max_batch_size": 4, "max_seq_len": 128, "seed": 0} | settings
-        return Engine.from_pretrained(path or tiny_dir, EngineConfig(**settings))
+        return load_engine(path or tiny_dir, EngineConfig(**settings))
 
     return make
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import uvicorn
 
-from engine import Engine
 from server.app import create_app
 from server.runner import EngineRunner
 from server.settings import Settings
+from weights.loading import load_engine
 
 
 class RunningServer:
@@ -36,7 +36,7 @@ def serve(model: Path, load=None, wait: bool = True, **settings):
     options = dict(model=str(model), port=port, device="cpu", dtype="float32", max_batch_size=4, max_seq_len=512,
                    seed=0, compile="off") | settings
     config = Settings(**options)
-    runner = EngineRunner(load or (lambda: Engine.from_pretrained(model, config.engine_config())),
+    runner = EngineRunner(load or (lambda: load_engine(model, config.engine_config())),
                           max_queue=config.max_queue, request_timeout=config.request_timeout,
                           max_queue_wait=config.max_queue_wait)
     server = uvicorn.Server(uvicorn.Config(create_app(runner, config), log_level="warning", lifespan="on"))

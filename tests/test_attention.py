@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from engine.attention import broadcast_attention, grouped_attention
+from engine.models.attention import broadcast_attention, grouped_attention
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.layers import PreNormBlock, RMSNorm
+from engine.models.layers import PreNormBlock, RMSNorm
 from engine.rope import RotaryTable, apply_rope
 
 
@@ -114,7 +114,7 @@ def test_decode_writes_the_same_keys_as_prefill():
 def test_our_decode_attention_reads_each_rows_keys_in_the_cache(dtype, h_q, h_kv):
     """kvserve's kernel (CPU decode) against grouped_attention over each row's keys taken out of the cache; row
     lengths from one key to several chunks of 256, slots in any order and twice."""
-    from engine.native import load_kernels
+    from engine.linear.native import load_kernels
 
     if load_kernels() is not None:
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
@@ -135,7 +135,7 @@ def test_our_decode_attention_reads_each_rows_keys_in_the_cache(dtype, h_q, h_kv
 def test_our_decode_attention_reads_only_the_window(capacity):
     """A sliding layer's keys: the window's last ones, in a full-length layer (capacity 700) or a ring that holds
     only the window (300 entries, position p at entry p mod 300, rows past its end reading all of it)."""
-    from engine.native import load_kernels
+    from engine.linear.native import load_kernels
 
     if load_kernels() is not None:
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.cpu_linear import CpuLinear, use_cpu_products
-from engine.packed_linear import PackedLinear, packs_bfloat16
+from engine.linear.dense import CpuLinear, PackedLinear, packs_bfloat16
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -33,13 +32,12 @@ def test_bfloat16_widened_equals_bfloat16_linear(rows):
 
 
 @torch.inference_mode()
-def test_swapped_model_keeps_its_parameters(make_engine, model_dir):
-    model = make_engine(model_dir("tied")).model  # an engine on the CPU has already swapped every projection
+def test_a_planned_model_keeps_its_parameters(make_engine, model_dir):
+    model = make_engine(model_dir("tied")).model  # built on the CPU: every projection planned
     assert not any(type(m) is nn.Linear for m in model.modules())
-    head, keys = model.lm_head, set(model.state_dict())
-    use_cpu_products(model, widen_bfloat16=True, pack_bfloat16=False)  # a second swap changes nothing
-    assert model.lm_head is head and set(model.state_dict()) == keys
+    assert {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, (CpuLinear, PackedLinear))} <= set(model.state_dict())
     assert model.lm_head.weight is model.embed_tokens.weight  # tied embeddings stay one tensor
+    assert [d.name for d in model.plan] == [n for n, m in model.named_modules() if isinstance(m, (CpuLinear, PackedLinear))]
 
 
 @pytest.mark.skipif(not packs_bfloat16(), reason="oneDNN has no native bfloat16 products on this CPU")

@@ -5,21 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import EngineConfig, SamplingParams
+from weights.loading import load_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_cuda_float32_logits_match_cpu(tiny_dir):
-    cpu = Engine.from_pretrained(tiny_dir, EngineConfig(device="cpu", dtype="float32", max_seq_len=128))
-    gpu = Engine.from_pretrained(tiny_dir, EngineConfig(device="cuda", dtype="float32", max_seq_len=128))
+    cpu = load_engine(tiny_dir, EngineConfig(device="cpu", dtype="float32", max_seq_len=128))
+    gpu = load_engine(tiny_dir, EngineConfig(device="cuda", dtype="float32", max_seq_len=128))
     assert gpu.cache.device.type == "cuda"
     ids = [5, 17, 33, 120, 7, 250]
     torch.testing.assert_close(gpu.prompt_logits(ids).cpu(), cpu.prompt_logits(ids), atol=1e-4, rtol=1e-4)
 
 
 def test_cuda_bfloat16_batch_generation_and_cache_size(tiny_dir):
-    engine = Engine.from_pretrained(tiny_dir, EngineConfig(device="cuda", dtype="auto", max_batch_size=4, max_seq_len=128))
+    engine = load_engine(tiny_dir, EngineConfig(device="cuda", dtype="auto", max_batch_size=4, max_seq_len=128))
     assert engine.dtype == torch.bfloat16
     c = engine.model.config
     assert engine.cache.capacity_bytes == 2 * 4 * c.num_layers * 128 * c.num_kv_heads * c.head_dim * 2
@@ -32,8 +33,8 @@ def test_cuda_bfloat16_batch_generation_and_cache_size(tiny_dir):
 
 def test_cuda_graphs_decode_as_eager_does(tiny_dir):
     settings = dict(device="cuda", dtype="float32", max_batch_size=4, max_seq_len=128, seed=0)
-    eager = Engine.from_pretrained(tiny_dir, EngineConfig(**settings))
-    graphs = Engine.from_pretrained(tiny_dir, EngineConfig(**settings, compile="on"))
+    eager = load_engine(tiny_dir, EngineConfig(**settings))
+    graphs = load_engine(tiny_dir, EngineConfig(**settings, compile="on"))
     assert graphs.compile() and graphs.compiled_graphs == ()  # captured as each size is first used
     prompts = ["The quick brown fox jumps over", "Paris", "def add(a, b):", "Once upon a time there"]
     lengths = [90, 12, 25, 33]  # 4 rows, then 3 (padded to 4), 2, 1; the longest past 64 keys into 128

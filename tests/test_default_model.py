@@ -11,11 +11,12 @@ import sys
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.quantization import group_layer
+from engine import EngineConfig, SamplingParams
+from engine.linear.planner import Machine, codes_layer_class
 from weights.checkpoint import transformers_files
 from weights.default_model import DEFAULT_MODEL, fetch_file, pull
 from weights.gguf_file import WEIGHTS_NAME
+from weights.loading import load_engine
 
 pytestmark = pytest.mark.default_model
 
@@ -58,7 +59,7 @@ def gguf_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    return Engine.from_pretrained(model_path, EngineConfig(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=512))
+    return load_engine(model_path, EngineConfig(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=512))
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +146,14 @@ def test_greedy_chat_answer_names_paris(engine):
 
 def test_the_gguf_served_as_stored_still_names_paris(model_path, engine):
     # What `python -m server` serves by default: the GGUF's Q4_1 blocks and Q8_0 LM head as stored.
-    quantized = Engine.from_pretrained(model_path, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=512))
+    quantized = load_engine(model_path, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=512))
     assert quantized.dtype == torch.bfloat16
     assert quantized.model.lm_head.dense.weight is quantized.model.embed_tokens.weight  # tied: codes and the embedding
     blocks = [m for block in quantized.model.layers for m in (
         block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)]
     # Q4_1 blocks and a Q8_0 head, each through kvserve's kernels where they build
-    assert all(isinstance(m, group_layer(4, torch.device("cpu"))) for m in blocks)
-    assert isinstance(quantized.model.lm_head.codes, group_layer(8, torch.device("cpu")))
+    assert all(isinstance(m, codes_layer_class(4, Machine.found(torch.device("cpu")))) for m in blocks)
+    assert isinstance(quantized.model.lm_head.codes, codes_layer_class(8, Machine.found(torch.device("cpu"))))
     assert quantized.weights_bytes < 0.65 * engine.weights_bytes / 2  # well under dense bfloat16
     prompt = quantized.tokenizer.render_chat([{"role": "user", "content": QUESTION}])
     ids = quantized.tokenizer.encode(prompt, add_special_tokens=False)

@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 from engine import SamplingParams
 from engine import executor as executor_module
+from weights.loading import load_engine
 
 PROMPTS = ["The quick brown fox jumps over", "Paris", "def add(a, b):\n    return a + b", "Once upon a time there"]
 
@@ -20,9 +21,9 @@ def greedy(n: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def compiled_engine(tiny_dir):
-    from engine import Engine, EngineConfig
+    from engine import EngineConfig
 
-    engine = Engine.from_pretrained(tiny_dir, EngineConfig(device="cpu", dtype="float32", max_batch_size=4,
+    engine = load_engine(tiny_dir, EngineConfig(device="cpu", dtype="float32", max_batch_size=4,
                                                            max_seq_len=64, seed=0, compile="on"))
     assert engine.compile() and engine.compiled_graphs == ("1", "2+")
     return engine

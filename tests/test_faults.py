@@ -123,12 +123,12 @@ def test_a_home_with_every_cache_file_damaged_starts_serves_and_logs_the_repairs
     home = faults.damaged_copy(warm_home, how, tmp_path / "home")
     damaged = faults.cache_files(warm_home)
     assert {p.name for p in damaged} >= {"model.gguf", "config.json", "tokenizer.json"}
-    assert any(p.suffix == ".so" for p in damaged) and any(p.name.endswith(".forms.json") for p in damaged)
+    assert any(p.suffix == ".so" for p in damaged) and any(p.name.startswith("timings-") for p in damaged)
     with faults.serving(home, *FLAGS) as server:
         serves_paris(server)
         repairs = "\n".join(server.repairs)
     assert "kvserve's kernels" in repairs and "building them again" in repairs
-    assert "product forms" in repairs and "measuring them again" in repairs
+    assert "measured timings" in repairs and "measuring them again" in repairs
     assert "cached model" in repairs and "importing it again" in repairs
     if how == "truncated":  # repaired for good: the next start finds nothing to repair (once: a start is seconds)
         with faults.serving(home, *FLAGS) as again:
@@ -170,7 +170,7 @@ def test_kernels_whose_cache_cannot_be_written_are_built_for_the_process(tmp_pat
     folder = tmp_path / "compiled"
     folder.mkdir()
     script = ("import logging; logging.basicConfig(level=logging.INFO)\n"
-              "from engine.native import load_kernels, kernels_library\n"
+              "from engine.linear.native import load_kernels, kernels_library\n"
               "print('reason', load_kernels()); print('library', kernels_library())\n")
     try:
         with faults.read_only(folder):

@@ -8,10 +8,11 @@ import os
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import EngineConfig, SamplingParams
 from weights.checkpoint import transformers_files
 from weights.default_model import GEMMA3_270M, pull
 from weights.gguf_file import WEIGHTS_NAME
+from weights.loading import load_engine
 
 pytestmark = pytest.mark.default_model
 
@@ -29,7 +30,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    return Engine.from_pretrained(model_path, EngineConfig(device="cpu", dtype="float32", quantize="none",
+    return load_engine(model_path, EngineConfig(device="cpu", dtype="float32", quantize="none",
                                                            max_batch_size=2, max_seq_len=1024))
 
 

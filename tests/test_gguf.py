@@ -12,11 +12,13 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from engine import Engine, EngineConfig
-from engine.quantization import WeightOnlyLinear, group_layer
+from engine import EngineConfig
+from engine.linear.planner import Machine, codes_layer_class
+from engine.linear.quantized import WeightOnlyLinear
 from tests.tiny import add_bpe_vocabulary, add_shape, gguf_name
 from weights.checkpoint import transformers_files
 from weights.gguf_file import GGUFError, import_gguf, unpermute_rope_rows
+from weights.loading import load_engine
 
 def permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter: each head's rows from (2, d/2) halves to interleaved (d/2, 2) pairs."""
@@ -84,7 +86,7 @@ def gguf_model(tiny_dir, tmp_path_factory):
 
 
 def engine_for(path):
-    return Engine.from_pretrained(path, EngineConfig(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64))
+    return load_engine(path, EngineConfig(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64))
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -178,10 +180,10 @@ def test_a_quantized_gguf_is_served_as_stored(gguf_model, tiny_dir, tmp_path, qt
                           if name.split(".")[-2] in heads else torch.from_numpy(a)).contiguous()
                    for name, a in held.items()}, reference / "model.safetensors")
     assert not list(imported.glob("*.safetensors"))
-    served = Engine.from_pretrained(imported, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
+    served = load_engine(imported, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
     mlp, attn = served.model.layers[0].mlp.gate_up_proj, served.model.layers[0].self_attn.qkv_proj
     # Q8_0 MLP in the fixture, else qtype: kvserve's kernels where they build (tests/test_quantization checks that)
-    assert isinstance(mlp, group_layer(8 if qtype is None else 4, torch.device("cpu")))
+    assert isinstance(mlp, codes_layer_class(8 if qtype is None else 4, Machine.found(torch.device("cpu"))))
     assert isinstance(attn, WeightOnlyLinear) == (qtype is not None)  # F16 matrices stay dense
     ids = [5, 17, 33, 120, 7, 250, 64]
     exact = engine_for(reference).prompt_logits(ids)  # float32, the same weights dequantized

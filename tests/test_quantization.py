@@ -13,13 +13,21 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import EngineConfig, SamplingParams
 from engine.device import cpu_description
-from engine.native import load_kernels, load_or_build
-from engine.product_forms import BFLOAT16_TILES, INTEGER_TILES, ProductForms, crossovers
-from engine.quantization import GroupCodes, GroupLinear, Int8Linear, group_layer
+from engine.linear.native import load_kernels, load_or_build
+from engine.linear.timing import BFLOAT16_TILES, INTEGER_TILES, ProductForms, crossovers
+from engine.linear.codes import GroupCodes
+from engine.linear.planner import Machine, codes_layer_class
+from engine.linear.quantized import GroupLinear, Int8Linear
 from tests.test_gguf import write_minimal_gguf
 from weights.gguf_file import GGUFFile
+from weights.loading import load_engine
+
+
+def codes_layer(bits: int):
+    """The layer class that serves group codes of `bits` on this machine (the planner's choice)."""
+    return codes_layer_class(bits, Machine.found(torch.device("cpu")))
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
@@ -37,7 +45,7 @@ def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qt
     expected = x.bfloat16().float() @ stored.t()
     with torch.inference_mode():
         got = GroupLinear(codes, bias=None)(x.bfloat16()).float()
-        ours = group_layer(codes.bits, torch.device("cpu"))(codes, None, torch.float32)(x)
+        ours = codes_layer(codes.bits)(codes, None, torch.float32)(x)
     # bfloat16 activations, scales and output: within a few bf16 roundings of the float32 product
     torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0.02)
     # ours: the codes times the inputs quantized to 8 bits per group of 32
@@ -60,9 +68,10 @@ def test_our_kernels_also_build_and_compute_for_older_cpus(tmp_path, arch, featu
     script = f"""
 from pathlib import Path
 import torch
-from engine.native import build
-from engine.product_forms import ProductForms
-from engine.quantization import Codes4Linear, Codes8Linear, GroupCodes
+from engine.linear.native import build
+from engine.linear.timing import ProductForms
+from engine.linear.codes import GroupCodes
+from engine.linear.quantized import Codes4Linear, Codes8Linear
 from tests.test_quantization import eight_bit_codes
 build("g++", Path({str(tmp_path / "kernels.so")!r}), arch={arch!r})
 torch.ops.load_library({str(tmp_path / "kernels.so")!r})
@@ -110,7 +119,7 @@ def test_our_kernels_are_the_product_in_every_form(form, bits, rows):
     torch.manual_seed(0)
     # 37 outputs: the last tile padded. Scales and minimums exact in float16, as GGUF holds them.
     codes = eight_bit_codes(37, 96) if bits == 8 else fp16_exact(GroupCodes.fit(torch.randn(37, 96) * 0.05 + 0.02, 4))
-    layer = group_layer(bits, torch.device("cpu"))(codes, torch.randn(37), dtype=torch.float32, forms=FORMS[form])
+    layer = codes_layer(bits)(codes, torch.randn(37), dtype=torch.float32, forms=FORMS[form])
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         got = layer(x) - layer.bias
@@ -134,7 +143,7 @@ def test_our_kernels_run_inside_a_compiled_graph(bits):
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
     torch.manual_seed(0)
     codes = eight_bit_codes(64, 64) if bits == 8 else GroupCodes.fit(torch.randn(64, 64), bits=4)
-    layer = group_layer(bits, torch.device("cpu"))(codes, None, dtype=torch.float32)
+    layer = codes_layer(bits)(codes, None, dtype=torch.float32)
     step = torch.compile(lambda v: torch.relu(layer(v)) * 2, fullgraph=True, dynamic=True)  # rows stay symbolic
     with torch.inference_mode():
         for rows in (2, 5):
@@ -181,10 +190,10 @@ def test_int8_is_exact_for_weights_on_a_per_row_grid():
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_quantized_engine_stays_close_to_dense(tiny_dir, kind):
-    layer = group_layer(4, torch.device("cpu")) if kind == "int4" else Int8Linear
+    layer = codes_layer(4) if kind == "int4" else Int8Linear
     settings = dict(device="cpu", max_batch_size=2, max_seq_len=128)
-    dense = Engine.from_pretrained(tiny_dir, EngineConfig(dtype="bfloat16", **settings))
-    quantized = Engine.from_pretrained(tiny_dir, EngineConfig(quantize=kind, **settings))
+    dense = load_engine(tiny_dir, EngineConfig(dtype="bfloat16", **settings))
+    quantized = load_engine(tiny_dir, EngineConfig(quantize=kind, **settings))
     assert not dense.quantized and quantized.quantized and quantized.dtype == torch.bfloat16
     assert isinstance(quantized.model.layers[0].mlp.down_proj, layer) and isinstance(quantized.model.lm_head, Int8Linear)
     assert quantized.weights_bytes < dense.weights_bytes
@@ -198,7 +207,7 @@ def test_quantized_engine_stays_close_to_dense(tiny_dir, kind):
 
 
 def test_auto_keeps_float_checkpoints_dense(tiny_dir):
-    engine = Engine.from_pretrained(tiny_dir, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
+    engine = load_engine(tiny_dir, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
     assert not engine.quantized
 
 
@@ -231,8 +240,7 @@ def test_our_kernels_take_bfloat16_rows_as_the_same_values_in_float32(form, rows
     if form != "dot" and not torch.ops.kvserve.tile_forms() & {"integer": INTEGER_TILES, "bfloat16": BFLOAT16_TILES}[form]:
         pytest.skip(f"this CPU or build has no {form} tiles")
     torch.manual_seed(0)
-    layer = group_layer(4, torch.device("cpu"))(GroupCodes.fit(torch.randn(37, 96), 4), None, dtype=torch.float32,
-                                                forms=FORMS[form])
+    layer = codes_layer(4)(GroupCodes.fit(torch.randn(37, 96), 4), None, dtype=torch.float32, forms=FORMS[form])
     x = torch.randn(rows, 96).bfloat16()
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), layer(x.float()), atol=0, rtol=0)

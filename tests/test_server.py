@@ -16,6 +16,7 @@ from httpx_sse import connect_sse
 from engine import Engine, EngineConfig, SamplingParams
 from server.settings import Settings
 from tests.server_harness import metric_values, serve
+from weights.loading import load_engine
 
 PROMPTS = [f"{w} number {i}" for i, w in enumerate(
     ["The quick brown fox", "Paris is", "def add(a, b):", "Once upon a time", "Café 🙂", "Berlin", "lazy dog",
@@ -31,7 +32,7 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def offline(model_dir):
     """The same checkpoint in an engine of its own: what the server must reproduce."""
-    return Engine.from_pretrained(model_dir("long"), EngineConfig(device="cpu", dtype="float32", max_batch_size=1,
+    return load_engine(model_dir("long"), EngineConfig(device="cpu", dtype="float32", max_batch_size=1,
                                                                    max_seq_len=512))
 
 
@@ -441,7 +442,7 @@ def test_health_is_503_while_loading(model_dir):
 
     def slow_load():
         release.wait(60)
-        return Engine.from_pretrained(path, EngineConfig(device="cpu", dtype="float32", max_batch_size=1, max_seq_len=64))
+        return load_engine(path, EngineConfig(device="cpu", dtype="float32", max_batch_size=1, max_seq_len=64))
 
     with serve(path, load=slow_load, wait=False) as running:
         loading = httpx.get(f"{running.url}/health")

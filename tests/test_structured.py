@@ -9,9 +9,10 @@ import httpx
 import jsonschema
 import pytest
 
-from engine import Engine, EngineConfig, InvalidParameter, SamplingParams
+from engine import EngineConfig, InvalidParameter, SamplingParams
 from engine.grammar import choice_grammar, json_schema_grammar, regex_grammar
 from tests.server_harness import serve
+from weights.loading import load_engine
 
 NESTED = {  # objects, arrays with bounds, enums, integers with ranges, required fields
     "type": "object",
@@ -33,7 +34,7 @@ NESTED = {  # objects, arrays with bounds, enums, integers with ranges, required
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return Engine.from_pretrained(model_dir("long"), EngineConfig(device="cpu", dtype="float32", max_batch_size=4,
+    return load_engine(model_dir("long"), EngineConfig(device="cpu", dtype="float32", max_batch_size=4,
                                                                   max_seq_len=512, seed=0))
 
 

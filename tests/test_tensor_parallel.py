@@ -20,14 +20,17 @@ from bench.common import free_port
 from engine import Engine, EngineConfig
 from engine.config import ModelConfig
 from engine.sampling import SamplingParams
-from engine.quantization import WeightOnlyLinear, group_layer
-from engine.tensor_parallel import Shard, cpu_group, load_shard, shard_model
+from engine.linear.planner import Machine, codes_layer_class
+from engine.linear.quantized import WeightOnlyLinear
+from engine.tensor_parallel import Shard, cpu_group, shard_model
+from weights.loading import load_shard
 from engine.tokenizer import Tokenizer
 from httpx_sse import connect_sse
 from tests.server_harness import start_subprocess
 from tests.test_gguf import write_gguf
 from weights.checkpoint import load_checkpoint
 from weights.gguf_file import import_gguf
+from weights.loading import load_engine
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was"]
 SETTINGS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, compile="off", seed=0)
@@ -55,7 +58,7 @@ def run_rank(rank: int, world: int, path: str, port: int, out: str) -> None:
 def test_two_ranks_compute_what_one_computes(model_dir, tmp_path, variant):
     path = model_dir(variant)
     mp.spawn(run_rank, args=(2, str(path), free_port(), str(tmp_path)), nprocs=2, join=True)
-    whole = Engine.from_pretrained(path, EngineConfig(**SETTINGS))
+    whole = load_engine(path, EngineConfig(**SETTINGS))
     expected_logits = whole.prompt_logits(PROMPTS[1])
     expected_tokens = [c.output_ids for c in whole.generate(PROMPTS, GREEDY)]
     config = whole.model.config
@@ -118,7 +121,7 @@ def test_a_server_over_two_ranks_answers_as_one_process_does(model_dir, tmp_path
         assert len(list(tmp_path.glob("kvserve-tp-*/rendezvous"))) == 1  # where the ranks met
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}, "".join(lines)
-        whole = Engine.from_pretrained(path, EngineConfig(**SETTINGS))
+        whole = load_engine(path, EngineConfig(**SETTINGS))
         (expected,) = whole.generate([PROMPTS[0]], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
         info = httpx.get(f"{url}/info").json()
         # each rank's cache: h_kv/2 heads; /info gives one rank's and the total
@@ -208,7 +211,7 @@ def test_two_nodes_meet_at_the_master_address(model_dir):
     try:
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health").status_code == 200, "".join(lines)
-        whole = Engine.from_pretrained(path, EngineConfig(**SETTINGS))
+        whole = load_engine(path, EngineConfig(**SETTINGS))
         (expected,) = whole.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
         completion = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
                                                                 "ignore_eos": True}, timeout=60).json()
@@ -234,7 +237,7 @@ def test_two_gpus_over_nccl_answer_as_one_gpu_does(model_dir):
     try:
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health").status_code == 200, "".join(lines)
-        whole = Engine.from_pretrained(path, EngineConfig(**(SETTINGS | {"device": "cuda"})))
+        whole = load_engine(path, EngineConfig(**(SETTINGS | {"device": "cuda"})))
         (expected,) = whole.generate([PROMPTS[0]], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
         completion = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0,
                                                                 "ignore_eos": True}, timeout=60).json()
@@ -261,13 +264,13 @@ def test_two_ranks_serve_a_quantized_gguf_as_one_does(model_dir, tmp_path):
     write_gguf(model_dir("gqa"), tmp_path / "q.gguf", override_type=GGMLQuantizationType.Q4_0)
     imported = import_gguf(tmp_path / "q.gguf", tmp_path / "imported", progress=False)
     mp.spawn(run_quantized_rank, args=(2, str(imported), free_port(), str(tmp_path)), nprocs=2, join=True)
-    whole = Engine.from_pretrained(imported, EngineConfig(**(SETTINGS | {"dtype": "auto"})))
+    whole = load_engine(imported, EngineConfig(**(SETTINGS | {"dtype": "auto"})))
     assert whole.quantized
     expected = whole.prompt_logits(PROMPTS[1]).log_softmax(-1)
     for rank in range(2):
         # every matrix split as codes (o and down by whole groups of inputs), none dequantized
         assert json.loads((tmp_path / f"rank.{rank}.json").read_text())["kinds"] == [
-            group_layer(4, torch.device("cpu")).__name__]
+            codes_layer_class(4, Machine.found(torch.device("cpu"))).__name__]
         got = load_file(tmp_path / f"logits.{rank}.safetensors")["logits"].log_softmax(-1)
         # the same codes; bfloat16 partial sums added by the all-reduce round at other points than one product
         kl = torch.nn.functional.kl_div(got, expected, log_target=True, reduction="none").sum(-1)

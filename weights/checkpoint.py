@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.architecture import ARCHITECTURES
+from engine.models.architecture import ARCHITECTURES
 from engine.config import ConfigError, ModelConfig
-from engine.quantization import GroupCodes
+from engine.linear.codes import GroupCodes
 from weights.gguf_file import WEIGHTS_NAME, GGUFFile
 
 # Buffers some exporters save that are recomputed from the config, never weights.
@@ -141,7 +141,7 @@ Weight = torch.Tensor | GroupCodes
 
 
 def to_model_state(tensors: dict[str, Weight], config: ModelConfig, dtype: torch.dtype) -> dict[str, Weight]:
-    """Hugging Face names -> the names of `engine.model.Transformer`, with q/k/v and gate/up fused; floats in `dtype`."""
+    """Hugging Face names -> the names of `engine.models.model.Transformer`, with q/k/v and gate/up fused; floats in `dtype`."""
     head = tensors.get("lm_head.weight")
     tied_head = config.tie_word_embeddings and not isinstance(head, GroupCodes)  # a quantized tied head has its own codes
     state = {
@@ -175,7 +175,7 @@ def fuse(parts: list[Weight]) -> Weight:
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                     codes: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
-    """(config, state dict for `engine.model.Transformer`) from a Hugging Face folder; strict.
+    """(config, state dict for `engine.models.model.Transformer`) from a Hugging Face folder; strict.
 
     With `codes`, a GGUF's quantized matrices come as `GroupCodes` (see `weights.gguf_file`); otherwise
     every weight is a `dtype` tensor.

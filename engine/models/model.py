@@ -1,4 +1,4 @@
-"""A decoder: embedding, blocks, final norm, LM head; the parts each family composes are engine/architecture.py's."""
+"""A decoder: embedding, blocks, final norm, LM head; the parts each family composes are engine/models/architecture.py's."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import math
 import torch
 from torch import nn
 
-from engine.architecture import ARCHITECTURES
+from engine.models.architecture import ARCHITECTURES
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.quantization import GroupCodes, quantized_linear
+from engine.linear.codes import GroupCodes
+from engine.linear.planner import Decision, Machine, Planner, Role
 from engine.rope import RotaryTable
 
 
@@ -29,6 +30,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.plan: tuple[Decision, ...] = ()  # which layer serves each linear product, and why (`build_model`)
 
     def forward(
         self,
@@ -51,25 +53,42 @@ class Transformer(nn.Module):
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor | GroupCodes], device: torch.device,
-                quantize: str = "none") -> Transformer:
+                planner: Planner | None = None) -> Transformer:
     """A Transformer holding exactly `state` (strict: every parameter present, no extras), on `device`.
 
-    With `quantize` other than "none", each linear layer is what `quantized_linear` makes of its weight
-    (group codes always become `GroupLinear`); the embedding and norms stay dense.
+    Each linear layer is what `planner` decides for its weight (by default: dense, as this machine runs it
+    fastest); the decisions, with their reasons, are the model's `plan`. The embedding and norms stay dense.
     """
+    planner = planner or Planner(Machine.found(device))
     with torch.device("meta"):
         model = Transformer(config)
     state = dict(state)
-    if quantize != "none":
-        for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
-            layer = quantized_linear(state[f"{name}.weight"], state.get(f"{name}.bias"), quantize, head=name == "lm_head")
-            if layer is None:
-                continue
-            state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)
-            state |= layer.state_dict(prefix=f"{name}.")
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, layer)
+    embedding = state["embed_tokens.weight"] if config.tie_word_embeddings else None
+    decisions = []
+    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        weight, bias = state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)
+        decision = planner.plan(weight, bias, Role(name, embedding if name == "lm_head" else None))
+        state |= decision.layer.state_dict(prefix=f"{name}.")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, decision.layer)
+        decisions.append(decision)
     model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):  # assign=True untied the two names
-        model.lm_head.weight = model.embed_tokens.weight
+    retie(model)
+    model.plan = tuple(decisions)
     return model.to(device).eval().requires_grad_(False)
+
+
+def retie(model: Transformer) -> None:
+    """assign=True made each name its own Parameter: a head that computes on the embedding itself (tied, in any
+    form) gets the embedding's Parameter back, so the two stay one tensor."""
+    embedding = model.embed_tokens.weight
+    for module in model.lm_head.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nn.Parameter) and weight is not embedding and weight.data_ptr() == embedding.data_ptr():
+            module.weight = embedding
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """The bytes of every parameter and buffer, each tensor once (tied weights share one)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

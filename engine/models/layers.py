@@ -1,6 +1,6 @@
 """The parts every architecture is composed of: norms, the gated MLP and two kinds of block.
 
-Which parts a family uses is engine/architecture.py's; each part here is one of the ways the families
+Which parts a family uses is engine/models/architecture.py's; each part here is one of the ways the families
 differ, written once.
 """
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import Attention
+from engine.models.attention import Attention
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig

@@ -1,95 +1,25 @@
-"""Weight-only quantized products, for CPU decode.
+"""Linear layers over quantized weights (weight-only: activations stay in bfloat16), for CPU decode.
 
 Two layouts (activations stay in bfloat16):
 - groups (`GroupCodes`): each group of 32 inputs of an output row keeps unsigned codes, one scale and one
   minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks, 8-bit codes Q8_0's
-  (shifted by 128). kvserve's own kernels (engine/native) run them where they build, as integer dot products
+  (shifted by 128). kvserve's own kernels (engine/linear/native) run them where they build, as integer dot products
   with the inputs quantized to 8 bits per group, as llama.cpp computes them (`Codes4Linear`,
   `Codes8Linear`). Elsewhere torch's int4 kernel runs both (`GroupLinear`): an 8-bit code is two 4-bit
   halves, 16·high + low, served as two stacked output rows and summed.
 - rows (`Int8Linear`): each output row keeps 8-bit codes in [-127, 127] and one scale (int8pack).
 
-What a layer becomes (`quantized_linear`): codes stored by the checkpoint (a GGUF's blocks) are served
-as stored whenever quantization is on; float weights are quantized only when asked: "int4" in groups
-(the LM head in int8 rows: 4-bit logits flip greedy answers), "int8" in rows. The embedding stays dense.
+Which of them serves a given matrix is the planner's decision (engine/linear/planner.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.native import kernels_run_on
-from engine.product_forms import ProductForms, product_forms
-
-GROUP_SIZE = 32
-QUANTIZE_MODES = ("auto", "none", "int4", "int8")
-
-
-@dataclass(frozen=True)
-class GroupCodes:
-    """A weight matrix in groups of `group_size` inputs: w[o, i] = scale[o, g]·codes[o, i] + minimum[o, g], g = i // group_size."""
-
-    codes: torch.Tensor  # uint8 (out, in), each in [0, 2**bits)
-    scale: torch.Tensor  # float32 (out, in // group_size)
-    minimum: torch.Tensor  # float32 (out, in // group_size)
-    bits: int
-
-    def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"group codes are 4 or 8 bits, got {self.bits}")
-        out_features, in_features = self.codes.shape
-        groups = (out_features, in_features // GROUP_SIZE)
-        if in_features % GROUP_SIZE or tuple(self.scale.shape) != groups or tuple(self.minimum.shape) != groups:
-            raise ValueError(f"codes {tuple(self.codes.shape)} need {GROUP_SIZE}-input groups: scale and minimum {groups}, "
-                             f"got {tuple(self.scale.shape)} and {tuple(self.minimum.shape)}")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
-
-    @classmethod
-    def fit(cls, weight: torch.Tensor, bits: int) -> "GroupCodes":
-        """Min/max quantization of float weights (out, in), group by group."""
-        out_features, in_features = weight.shape
-        if in_features % GROUP_SIZE:
-            raise ValueError(f"group quantization needs in_features divisible by {GROUP_SIZE}, got {in_features}")
-        groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-        low, high = groups.amin(-1), groups.amax(-1)  # (out, groups)
-        top = 2**bits - 1
-        scale = ((high - low) / top).clamp(min=torch.finfo(torch.float32).tiny)
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, top)
-        return cls(codes.to(torch.uint8).reshape(out_features, in_features), scale, low, bits)
-
-    @classmethod
-    def cat(cls, parts: list["GroupCodes | torch.Tensor"]) -> "GroupCodes":
-        """The parts' rows one after another (q, k, v -> qkv), in the widest part's bits.
-
-        A 4-bit part is exact in 8 bits (same codes, scale and minimum); a float part is fitted.
-        """
-        bits = max(p.bits for p in parts if isinstance(p, GroupCodes))
-        parts = [p if isinstance(p, GroupCodes) else cls.fit(p, bits) for p in parts]
-        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                   torch.cat([p.minimum for p in parts]), bits)
-
-    def map_rows(self, reorder) -> "GroupCodes":
-        """The same matrix with its rows reordered by `reorder` (a function of a (rows, ...) tensor)."""
-        return GroupCodes(reorder(self.codes), reorder(self.scale), reorder(self.minimum), self.bits)
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 (out, in)."""
-        out_features, in_features = self.shape
-        groups = self.codes.float().reshape(out_features, -1, GROUP_SIZE)  # (out, groups, 32)
-        return (groups * self.scale[..., None] + self.minimum[..., None]).reshape(out_features, in_features)
-
-    def halves(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(4-bit codes, scale, minimum) whose products sum to this matrix's: itself, or 8 bits as 16·high + low."""
-        if self.bits == 4:
-            return [(self.codes, self.scale, self.minimum)]
-        return [(self.codes >> 4, 16 * self.scale, self.minimum), (self.codes & 15, self.scale, torch.zeros_like(self.minimum))]
+from engine.linear.codes import GROUP_SIZE, GroupCodes
+from engine.linear.timing import ProductForms
 
 
 class WeightOnlyLinear(nn.Module):
@@ -141,7 +71,7 @@ class GroupLinear(WeightOnlyLinear):
 
 
 class GroupTiles(WeightOnlyLinear):
-    """Group codes through one of kvserve's kernels (engine/native), in tiles of 16 output rows.
+    """Group codes through one of kvserve's kernels (engine/linear/native), in tiles of 16 output rows.
 
     The rows are padded to whole tiles with zero codes and scales; the kernel returns only `out_features`.
     Scales and minimums are float16, as GGUF stores them (exact for its blocks).
@@ -150,8 +80,8 @@ class GroupTiles(WeightOnlyLinear):
     TILE = 16  # output rows per tile
     bits: int
 
-    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16,
-                 forms: ProductForms | None = None):
+    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype,
+                 forms: ProductForms = ProductForms()):
         super().__init__()
         if weight.bits != self.bits:
             raise ValueError(f"{type(self).__name__} serves {self.bits}-bit codes, got {weight.bits}-bit ones")
@@ -165,7 +95,7 @@ class GroupTiles(WeightOnlyLinear):
         self.register_buffer("minimum", per_tile(minimum))
         self.bias = bias
         self.activation_dtype = dtype
-        self.forms = forms or product_forms()  # the kernel's form by input rows: by default as measured for this CPU
+        self.forms = forms  # the kernel's form by input rows: as measured for this CPU (the planner), else dot products
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -174,7 +104,7 @@ class GroupTiles(WeightOnlyLinear):
 
     @property
     def kernel(self):
-        """The torch op for these codes, kvserve::codes{bits}_product (registered by engine.native.load_kernels)."""
+        """The torch op for these codes, kvserve::codes{bits}_product (registered by engine.linear.native.load_kernels)."""
         return getattr(torch.ops.kvserve, f"codes{self.bits}_product")
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -185,7 +115,7 @@ class GroupTiles(WeightOnlyLinear):
 
 class Codes4Linear(GroupTiles):
     """4-bit codes (Q4_0, Q4_1): integer dot products with the inputs quantized to 8 bits per group, the codes
-    centred on 8 (engine/native/codes4_product.cpp)."""
+    centred on 8 (engine/linear/native/codes4_product.cpp)."""
 
     bits = 4
 
@@ -199,7 +129,7 @@ class Codes4Linear(GroupTiles):
 
 class Codes8Linear(GroupTiles):
     """8-bit codes (Q8_0): integer dot products with the inputs quantized to 8 bits per group, the codes centred
-    on 128 (engine/native/codes8_product.cpp)."""
+    on 128 (engine/linear/native/codes8_product.cpp)."""
 
     bits = 8
 
@@ -223,30 +153,3 @@ class Int8Linear(WeightOnlyLinear):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
-
-
-def quantized_linear(weight: torch.Tensor | GroupCodes, bias: torch.Tensor | None, mode: str, head: bool,
-                     dtype: torch.dtype = torch.bfloat16) -> WeightOnlyLinear | None:
-    """The module that serves one linear layer in `mode` (auto/int4/int8; "none" is resolved before), or None: dense."""
-    bias = None if bias is None else bias.to(dtype)
-    if isinstance(weight, GroupCodes):
-        kind = group_layer(weight.bits, weight.codes.device)
-        return kind(weight, bias, torch.float32 if head and kind is not GroupLinear else dtype)  # logits are float32
-    if mode == "int8" or (mode == "int4" and head):
-        return Int8Linear(weight, bias, dtype)
-    if mode == "int4":
-        return quantized_linear(GroupCodes.fit(weight, 4), bias, mode, head, dtype)
-    return None  # auto: float weights stay dense
-
-
-def group_layer(bits: int, device: torch.device) -> type[WeightOnlyLinear]:
-    """The layer that serves group codes of `bits` on `device`: kvserve's kernels where they build, else torch's."""
-    if kernels_run_on(device):
-        return Codes8Linear if bits == 8 else Codes4Linear
-    return GroupLinear
-
-
-def weights_bytes(model: nn.Module) -> int:
-    """The bytes of every parameter and buffer, each tensor once (tied weights share one)."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -64,7 +64,7 @@ def cxx() -> str | None:
 
 
 def kernels_library() -> Path | None:
-    """The library the kernels were loaded from in this process (beside it, engine/product_forms.py keeps
+    """The library the kernels were loaded from in this process (beside it, engine/linear/timing.py keeps
     their measured forms), or None where they are off."""
     return loaded().library
 

@@ -8,7 +8,7 @@
 // their product with the rounding error of x̂ (Σ (q - 8)·x̂ = Σ q·x̂ - 8·Σ x̂), and the rest of each weight
 // (minimum + 8·scale) meets the exact Σ x: the error is that of centred 4-bit weights times 8-bit inputs.
 //
-// Layout (`packed`, made by engine/quantization.py): tiles of 16 output rows; per tile and group, 256 bytes
+// Layout (`packed`, made by engine/linear/quantized.py): tiles of 16 output rows; per tile and group, 256 bytes
 // in four runs of 64; run k holds, for row j at bytes 4j..4j+3, inputs 8k..8k+3 in the low nibbles and
 // 8k+4..8k+7 in the high ones. One 64-byte run masked or shifted is one vpdpbusd operand for 16 rows, whose
 // other operand is 4 input codes broadcast. scale and minimum: float16 (tiles, groups, 16).

@@ -1,6 +1,6 @@
-"""Linear layers on the CPU, each product in the order and dtype that torch's CPU kernels run fastest.
+"""Dense linear layers on the CPU, each product in the order and dtype that torch's or oneDNN's kernels run fastest.
 
-Two forms, from measurements of the default model's layers (bench/README.md has the tables per machine):
+CpuLinear, two forms, from measurements of the default model's layers (bench/README.md has the tables per machine):
 - float32, up to 128 rows (every decode step): W·xᵀ rather than x·Wᵀ, one row sent as two. MKL's
   large-N GEMM then reads the weights faster than its GEMV and small-M kernels (1.2-2.5x on AVX2,
   about 2x on AVX-512). Weights under 2^17 elements stay with x·Wᵀ: there the GEMM's fixed cost
@@ -10,6 +10,14 @@ Two forms, from measurements of the default model's layers (bench/README.md has 
   conversion costs less than it saves (4x faster at 512 rows). Fewer rows stay in bfloat16, whose
   kernel reads half the bytes.
 Everything else is F.linear. Parameters keep nn.Linear's names, so the state dict is unchanged.
+
+PackedLinear: a bfloat16 weight that oneDNN prepacked at load, for CPUs where oneDNN computes in bfloat16.
+oneDNN's product over a weight reordered once into its blocked layout streams the weight faster than
+`F.linear` over the plain one, at every row count measured (bench/README.md has the figures per machine).
+The packed weight is an opaque tensor (no strides): inductor cannot lower oneDNN's own op over it as a
+graph input, so the product is a custom op, which a compiled graph calls as it is.
+
+Which of them serves a matrix is the planner's decision (engine/linear/planner.py).
 """
 
 from __future__ import annotations
@@ -18,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.device import cpu_has_native_bf16
-from engine.packed_linear import PackedLinear, packs_bfloat16
 
 WEIGHT_LEFT_MAX_ROWS = 128  # float32: W·xᵀ wins up to 128 rows here, x·Wᵀ from 256
 WEIGHT_LEFT_MIN_ELEMENTS = 1 << 17  # and from weights of 512 x 256: at 128 x 64, one row took 38 us vs 15
@@ -64,33 +70,39 @@ def float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ rows.t()).t()[:m].contiguous()  # (out, m) -> (m, out)
 
 
-def use_fastest_products(model: nn.Module) -> nn.Module:
-    """The model as an engine runs it: on the CPU its linear layers become CpuLinear or PackedLinear; elsewhere
-    unchanged."""
-    if model.embed_tokens.weight.device.type == "cpu":
-        use_cpu_products(model, widen_bfloat16=not cpu_has_native_bf16(), pack_bfloat16=packs_bfloat16())
-    return model
+@torch.library.custom_op("kvserve::packed_product", mutates_args=())
+def packed_product(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """rows (m, in) bfloat16 · the packed weight (out, in)ᵀ -> (m, out)."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
 
 
-def use_cpu_products(model: nn.Module, widen_bfloat16: bool, pack_bfloat16: bool) -> nn.Module:
-    """Every dense nn.Linear of the model becomes a dense_linear, in place; a tied LM head stays tied (a CpuLinear
-    on the embedding itself: packing would copy it).
-
-    Idempotent, and other kinds of layers (int4) are left as they are.
-    """
-    embedding = model.embed_tokens.weight
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                pack = pack_bfloat16 and child.weight is not embedding
-                setattr(parent, name, dense_linear(child.weight, child.bias, widen_bfloat16, pack))
-    return model
+@packed_product.register_fake
+def _(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
 
 
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, widen_bfloat16: bool,
-                 pack_bfloat16: bool) -> nn.Module:
-    """The fastest dense form of a weight here: bfloat16 prepacked by oneDNN where it computes in bfloat16, else
-    CpuLinear."""
-    if pack_bfloat16 and weight.dtype == torch.bfloat16:
-        return PackedLinear(weight, bias)
-    return CpuLinear(weight, bias, widen_bfloat16)
+def packs_bfloat16() -> bool:
+    """Whether oneDNN computes bfloat16 products natively on this CPU (read once, when a model loads)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class PackedLinear(nn.Module):
+    activation_dtype = torch.bfloat16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        if weight.dtype != torch.bfloat16:
+            raise ValueError(f"PackedLinear packs bfloat16 weights, got {weight.dtype}")
+        with torch.no_grad():
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (tokens, in)
+        if torch.compiler.is_compiling():  # the custom op: one opaque call in the graph
+            y = packed_product(rows, self.packed, self.out_features)
+        else:  # eager: oneDNN's op itself, without the custom op's Python dispatch on every call
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+        y = y.view(*x.shape[:-1], self.out_features)  # (..., out)
+        return y if self.bias is None else y + self.bias

@@ -3,7 +3,7 @@
 // input row (in passes of kRowsPerPass rows that share one load of the tile's codes; with AMX's integer tiles, of up
 // to 16 rows whose products with a group are one tile product). With AMX's bfloat16 tiles, for many input rows, the
 // weights are instead dequantized to bfloat16 once per call and multiplied by the inputs in bfloat16.
-// The caller says from how many rows each form runs (measured for the CPU at load: engine/product_forms.py).
+// The caller says from how many rows each form runs (measured for the CPU at load: engine/linear/timing.py).
 //
 // A product's result with integer codes: Σ_i w_i·x_i with w_i = s·q_i + m per group, computed as
 //   s·d·Σ (q_i - c)·x̂_i + (m + c·s)·Σ x_i,   x_i ≈ d·x̂_i,  c the codes' centre (8 or 128),
@@ -373,7 +373,7 @@ inline int64_t tile_forms() {
 
 // Codes: kTileGroupBytes (a tile's bytes per group), kCentre (8 or 128), operands(bytes, part, w) (run_tile).
 // integer_tiles_from, bfloat16_tiles_from: the input rows from which those forms run, where this build has them
-// (measured for the CPU at load: engine/product_forms.py); below both, vector dot products.
+// (measured for the CPU at load: engine/linear/timing.py); below both, vector dot products.
 template <typename Tile>
 at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scale,
                          const at::Tensor& minimum, int64_t out_features, int64_t integer_tiles_from,

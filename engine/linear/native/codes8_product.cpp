@@ -8,7 +8,7 @@
 // rows: group_product.h). AVX2: vpmaddubsw of |q - 128| and the
 // inputs carrying its sign (|q - 128| <= 128 and |x̂| <= 127, so a pair's sum fits in int16), then vpmaddwd.
 //
-// Layout (`packed`, made by engine/quantization.py): tiles of 16 output rows; per tile and group, 512 bytes in
+// Layout (`packed`, made by engine/linear/quantized.py): tiles of 16 output rows; per tile and group, 512 bytes in
 // eight runs of 64; run k holds, for row j at bytes 4j..4j+3, the codes of inputs 4k..4k+3. scale and minimum:
 // float16 (tiles, groups, 16).
 #include <torch/library.h>

@@ -1,4 +1,4 @@
-"""Each supported family as a composition of the shared parts (engine/layers.py).
+"""Each supported family as a composition of the shared parts (engine/models/layers.py).
 
 A new family is an entry here, plus a part where it does something no family did before (and its
 config keys in engine/config.py, its tensor names in weights/).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.layers import OffsetRMSNorm, PreNormBlock, RMSNorm, SandwichBlock
+from engine.models.layers import OffsetRMSNorm, PreNormBlock, RMSNorm, SandwichBlock
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The decoder architectures: the model, its blocks and their parts, and the table of families."""
