@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.linear.codes import GROUP_SIZE, GroupCodes
+from engine.linear.codes import QUANTIZED, QuantizedWeight
 from engine.linear.planner import Planner
 from engine.models.model import Transformer, build_model
 
 
-Weight = torch.Tensor | GroupCodes
+Weight = torch.Tensor | QuantizedWeight
 
 
 class PeerLost(BaseException):
@@ -89,7 +89,7 @@ def shard_checkpoint(config: ModelConfig, state: dict[str, Weight], shard: Shard
     tensors of its slices, to build a model from (`parallelize` then gives it back the whole vocabulary).
 
     The embedding and head tensors are the rank's rows, padded with zeros to ceil(V/N). Quantized matrices
-    (GroupCodes) split the same way, columns in whole groups of 32.
+    (GroupCodes, SuperBlockCodes) split the same way, columns in whole blocks (32 or 256 inputs).
     """
     shard.check(config)
     n, d = shard.world, config.head_dim
@@ -104,23 +104,21 @@ def shard_checkpoint(config: ModelConfig, state: dict[str, Weight], shard: Shard
     vocab = shard.vocab_rows(config.vocab_size)
 
     def rows(tensor: Weight, *slices: slice) -> Weight:
-        if isinstance(tensor, GroupCodes):  # codes, scales and minimums all lead with the output rows
+        if isinstance(tensor, QUANTIZED):  # codes, scales and minimums all lead with the output rows
             return tensor.map_rows(lambda t: rows(t, *slices))
         return torch.cat([tensor[s] for s in slices]).contiguous()
 
     def columns(tensor: Weight, part: slice) -> Weight:
-        if isinstance(tensor, GroupCodes):  # whole groups of inputs: a rank's columns start and end on one
-            if part.start % GROUP_SIZE or part.stop % GROUP_SIZE:
-                raise ValueError(f"a rank's {part.stop - part.start} input columns are not whole groups of "
-                                 f"{GROUP_SIZE}: serve this split with --quantize none")
-            groups = slice(part.start // GROUP_SIZE, part.stop // GROUP_SIZE)
-            return dataclasses.replace(tensor, codes=tensor.codes[:, part].contiguous(),
-                                       scale=tensor.scale[:, groups].contiguous(),
-                                       minimum=tensor.minimum[:, groups].contiguous())
+        if isinstance(tensor, QUANTIZED):  # whole blocks of inputs: a rank's columns start and end on one
+            try:
+                return tensor.columns(part)
+            except ValueError as e:
+                raise ValueError(f"a rank's {part.stop - part.start} input columns split quantized blocks ({e}): "
+                                 "serve this split with --quantize none") from None
         return tensor[:, part].contiguous()
 
     def vocabulary(tensor: Weight) -> Weight:  # (V, hidden) -> (ceil(V/N), hidden), zero-padded (zero codes too)
-        if isinstance(tensor, GroupCodes):
+        if isinstance(tensor, QUANTIZED):
             return tensor.map_rows(vocabulary)
         part = tensor[vocab.start: vocab.stop]
         return F.pad(part, (0, 0, 0, len(vocab) - part.shape[0])).contiguous()

@@ -19,6 +19,9 @@ VARIANTS = {
     "mha": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
     "mqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=1)),
     "tied": ("llama", dict(tie_word_embeddings=True)),
+    # Rows of whole K-quant super-blocks (256 inputs).
+    "wide": ("llama", dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                           tie_word_embeddings=True)),
     "llama3_rope": ("llama", dict(rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),

@@ -13,9 +13,9 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from engine import EngineConfig
-from engine.linear.planner import Machine, codes_layer_class
+from engine.linear.planner import Machine, codes_layer_class, summary
 from engine.linear.quantized import WeightOnlyLinear
-from tests.tiny import add_bpe_vocabulary, add_shape, gguf_name
+from tests.tiny import add_bpe_vocabulary, add_shape, gguf_name, quantize_q4_k
 from weights.checkpoint import transformers_files
 from weights.gguf_file import GGUFError, import_gguf, unpermute_rope_rows
 from weights.loading import load_engine
@@ -32,7 +32,9 @@ def quant_type(name: str, array: np.ndarray) -> GGMLQuantizationType:
 
 
 def write_gguf(src, out_path, override_type=None):
-    """The tiny checkpoint at `src` as a GGUF; returns the tensors as the GGUF holds them (dequantized, HF layout)."""
+    """The tiny checkpoint at `src` as a GGUF; returns the tensors as the GGUF holds them (dequantized, HF layout).
+
+    override_type: every matrix's type, or a function of a tensor's name giving it."""
     config = json.loads((src / "config.json").read_text())
     tensors = {k: v.numpy() for k, v in load_file(src / "model.safetensors").items()}
     writer = GGUFWriter(str(out_path), "llama")
@@ -43,7 +45,8 @@ def write_gguf(src, out_path, override_type=None):
     writer.add_chat_template(json.loads((src / "tokenizer_config.json").read_text())["chat_template"])
     held = {}
     for name, array in tensors.items():
-        qtype = override_type if override_type and array.ndim == 2 else quant_type(name, array)
+        chosen = override_type(name) if callable(override_type) else override_type
+        qtype = chosen if chosen and array.ndim == 2 else quant_type(name, array)
         stored = array
         if "q_proj" in name:
             stored = permute(array, config["num_attention_heads"])
@@ -53,6 +56,8 @@ def write_gguf(src, out_path, override_type=None):
             data = stored.astype(np.float16)
         elif qtype == GGMLQuantizationType.F32:
             data = stored.astype(np.float32)
+        elif qtype == GGMLQuantizationType.Q4_K:  # the gguf library reads Q4_K but does not write it
+            data = quantize_q4_k(stored)
         else:
             data = quantize(stored, qtype)
         writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
@@ -63,6 +68,17 @@ def write_gguf(src, out_path, override_type=None):
     writer.write_tensors_to_file()
     writer.close()
     return held, config
+
+
+def reference_folder(src, held: dict, config: dict, out):
+    """`src` with the weights a GGUF holds (`write_gguf`'s), dequantized, in the half-split layout: a plain Hugging
+    Face folder of the same weights."""
+    shutil.copytree(src, out)
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    save_file({name: (unpermute_rope_rows(torch.from_numpy(a), heads[name.split(".")[-2]])
+                      if name.split(".")[-2] in heads else torch.from_numpy(a)).contiguous()
+               for name, a in held.items()}, out / "model.safetensors")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -173,12 +189,7 @@ def test_a_quantized_gguf_is_served_as_stored(gguf_model, tiny_dir, tmp_path, qt
     else:  # every matrix in qtype: compare with the same dequantized weights
         held, config = write_gguf(tiny_dir, tmp_path / "q.gguf", override_type=qtype)
         imported = import_gguf(tmp_path / "q.gguf", tmp_path / "imported", progress=False)
-        reference = tmp_path / "reference"
-        shutil.copytree(tiny_dir, reference)
-        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-        save_file({name: (unpermute_rope_rows(torch.from_numpy(a), heads[name.split(".")[-2]])
-                          if name.split(".")[-2] in heads else torch.from_numpy(a)).contiguous()
-                   for name, a in held.items()}, reference / "model.safetensors")
+        reference = reference_folder(tiny_dir, held, config, tmp_path / "reference")
     assert not list(imported.glob("*.safetensors"))
     served = load_engine(imported, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
     mlp, attn = served.model.layers[0].mlp.gate_up_proj, served.model.layers[0].self_attn.qkv_proj
@@ -190,6 +201,41 @@ def test_a_quantized_gguf_is_served_as_stored(gguf_model, tiny_dir, tmp_path, qt
     got = served.prompt_logits(ids)
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="batchmean")
     assert kl.item() < 0.01  # bfloat16 activations only: the weights are the same
+
+
+Q4_K_M_LIKE = {"v_proj": GGMLQuantizationType.Q8_0, "down_proj": GGMLQuantizationType.Q8_0}  # the rest Q4_K
+
+
+@pytest.mark.parametrize("mix", ["Q4_K", "Q4_K_M-like"])
+def test_a_q4_k_gguf_is_served_as_stored_and_matches_transformers(model_dir, tmp_path, mix):
+    """A model 256 wide (whole super-blocks), tied: every matrix in Q4_K, or v and down in another type as Q4_K_M
+    files mix them (q, k and v then fuse into one 8-bit layer). The oracle is transformers on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    src = model_dir("wide")
+    kind = (lambda name: Q4_K_M_LIKE.get(name.split(".")[-2], GGMLQuantizationType.Q4_K)) if mix != "Q4_K" else (
+        GGMLQuantizationType.Q4_K)
+    held, config = write_gguf(src, tmp_path / "q.gguf", override_type=kind)
+    imported = import_gguf(tmp_path / "q.gguf", tmp_path / "imported", progress=False)
+    reference = reference_folder(src, held, config, tmp_path / "reference")
+    served = load_engine(imported, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
+    types = {entry["matrices"]: entry for entry in summary(list(served.model.plan))}
+    kernels = Machine.found(torch.device("cpu")).kernels_off is None
+    q4_k = "SuperBlock4Linear" if kernels else "GroupLinear"
+    assert types["layers.*.mlp.gate_up_proj"]["layer"] == q4_k
+    assert types["layers.*.mlp.gate_up_proj"]["reason"].startswith("Q4_K as stored" if kernels else "Q4_K as 4-bit groups")
+    if mix == "Q4_K":
+        assert types["layers.*.self_attn.qkv_proj"]["layer"] == q4_k
+        assert "TwoForms" in types["lm_head"]["layer"]  # the tied head: codes, and the embedding from some rows
+    else:  # Q4_K q and k beside Q8_0 v: one layer of 8-bit groups, each Q4_K group exact in it
+        assert types["layers.*.self_attn.qkv_proj"]["reason"].startswith("Q4_K as 4-bit groups")
+    ids = [5, 17, 33, 120, 7, 250, 64]
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        exact = model(torch.tensor([ids])).logits[0]
+    got = served.prompt_logits(ids)
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert kl.item() < 0.01  # bfloat16 activations and 8-bit inputs only: the weights are the file's
 
 
 def test_dequantized_import_writes_safetensors(gguf_model, tmp_path):

@@ -17,10 +17,11 @@ from engine import EngineConfig, SamplingParams
 from engine.device import cpu_description
 from engine.linear.native import load_kernels, load_or_build
 from engine.linear.timing import BFLOAT16_TILES, INTEGER_TILES, ProductForms, crossovers
-from engine.linear.codes import GroupCodes
-from engine.linear.planner import Machine, codes_layer_class
-from engine.linear.quantized import GroupLinear, Int8Linear
+from engine.linear.codes import GroupCodes, SuperBlockCodes
+from engine.linear.planner import Machine, Planner, Role, codes_layer_class
+from engine.linear.quantized import GroupLinear, Int8Linear, SuperBlock4Linear
 from tests.test_gguf import write_minimal_gguf
+from tests.tiny import quantize_q4_k
 from weights.gguf_file import GGUFFile
 from weights.loading import load_engine
 
@@ -52,6 +53,50 @@ def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qt
     torch.testing.assert_close(ours, x @ stored.t(), atol=0.02 * expected.abs().max().item(), rtol=0.02)
 
 
+def q4_k_file(tmp_path, rows: int = 37, columns: int = 512):
+    """A GGUF holding one Q4_K matrix of random weights (groups whose minimum is not their negated maximum): its
+    tensor, and the weights as the gguf library reads them."""
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((rows, columns)) * 0.05).astype(np.float32)
+    weight[:, :32] += 0.1
+    blocks = quantize_q4_k(weight)
+    path = write_minimal_gguf(tmp_path / "q4k.gguf", "llama", {"blk.0.ffn_up.weight": (blocks, GGMLQuantizationType.Q4_K)})
+    (tensor,) = GGUFFile(path).reader.tensors
+    return tensor, torch.from_numpy(dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q4_K).reshape(rows, columns))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 70])
+def test_q4_k_is_read_as_stored_and_multiplied_on_our_kernel(tmp_path, rows):
+    tensor, stored = q4_k_file(tmp_path)
+    codes = GGUFFile.group_codes(tensor)
+    assert isinstance(codes, SuperBlockCodes) and codes.served == ("Q4_K as stored",)
+    assert torch.equal(codes.dequantize(), stored)  # the file's own weights, not a second quantization
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    layer = SuperBlock4Linear(codes, torch.randn(37), torch.float32)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        got = layer(x) - layer.bias
+        one_hot = layer(torch.eye(512)) - layer.bias
+    exact = x @ stored.t()
+    assert got.shape == (rows, 37)
+    assert ((got - exact).norm() / exact.norm()).item() < 0.01  # as the Q4_0 kernel: 8-bit inputs, centred codes
+    torch.testing.assert_close(one_hot, stored.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_q4_k_without_our_kernels_is_its_groups_on_torchs(tmp_path):
+    tensor, stored = q4_k_file(tmp_path, rows=48)  # torch's int4 kernel takes whole tiles of 16 rows
+    decision = Planner(Machine(torch.device("cpu"), kernels_off="no C++ compiler"), "auto").plan(
+        GGUFFile.group_codes(tensor), None, Role("layers.0.mlp.down_proj"))
+    assert isinstance(decision.layer, GroupLinear)
+    assert decision.served == ("Q4_K as 4-bit groups (d·sc and dmin·mn in float16)",)
+    x = torch.randn(3, 512)
+    with torch.inference_mode():
+        got = decision.layer(x.bfloat16()).float()
+    expected = x.bfloat16().float() @ stored.t()
+    torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0.02)
+
+
 def test_our_kernels_build_on_this_machine():
     if shutil.which("g++") is None or platform.machine() != "x86_64":
         pytest.skip("kvserve's kernels are built by g++ for x86-64")
@@ -71,8 +116,9 @@ import torch
 from engine.linear.native import build
 from engine.linear.timing import ProductForms
 from engine.linear.codes import GroupCodes
-from engine.linear.quantized import Codes4Linear, Codes8Linear
-from tests.test_quantization import eight_bit_codes
+from engine.linear.codes import SuperBlockCodes
+from engine.linear.quantized import Codes4Linear, Codes8Linear, SuperBlock4Linear
+from tests.test_quantization import eight_bit_codes, random_q4_k
 build("g++", Path({str(tmp_path / "kernels.so")!r}), arch={arch!r})
 torch.ops.load_library({str(tmp_path / "kernels.so")!r})
 torch.manual_seed(0)
@@ -81,11 +127,15 @@ for codes, kind in ((GroupCodes.fit(torch.randn(37, 96), 4), Codes4Linear), (eig
     exact = x @ codes.dequantize().t()
     layer = kind(codes, None, torch.float32, forms=ProductForms())  # dot products: these CPUs have no AMX
     print(kind.__name__, ((layer(x) - exact).norm() / exact.norm()).item())
+codes, x = random_q4_k(37, 512), torch.randn(21, 512)
+exact = x @ codes.dequantize().t()
+print("SuperBlock4Linear", ((SuperBlock4Linear(codes, None, torch.float32)(x) - exact).norm() / exact.norm()).item())
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     errors = dict(line.split() for line in result.stdout.splitlines())
     assert float(errors["Codes4Linear"]) < 0.01 and float(errors["Codes8Linear"]) < 0.01
+    assert float(errors["SuperBlock4Linear"]) < 0.01
 
 
 def test_without_a_compiler_our_kernels_say_why(monkeypatch):
@@ -133,22 +183,52 @@ def test_our_kernels_are_the_product_in_every_form(form, bits, rows):
     torch.testing.assert_close(one_hot, codes.dequantize().t(), atol=1e-5, rtol=tolerance)
 
 
+def random_q4_k(out_features: int, in_features: int) -> SuperBlockCodes:
+    """Q4_K codes of random bits: every code, 6-bit scale and minimum, float16 d and dmin of a plausible size."""
+    generator = torch.Generator().manual_seed(0)
+    groups, blocks = (out_features, in_features // 32), (out_features, in_features // 256)
+    return SuperBlockCodes(torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator),
+                           torch.randint(0, 64, groups, dtype=torch.uint8, generator=generator),
+                           torch.randint(0, 64, groups, dtype=torch.uint8, generator=generator),
+                           (torch.rand(blocks, generator=generator) * 1e-3).half(),
+                           (torch.rand(blocks, generator=generator) * 1e-3).half())
+
+
 def fp16_exact(codes: GroupCodes) -> GroupCodes:
     return GroupCodes(codes.codes, codes.scale.half().float(), codes.minimum.half().float(), codes.bits)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_our_kernels_run_inside_a_compiled_graph(bits):
+@pytest.mark.parametrize("kind", ["4", "8", "Q4_K"])
+def test_our_kernels_run_inside_a_compiled_graph(kind):
     if load_kernels() is not None:
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
     torch.manual_seed(0)
-    codes = eight_bit_codes(64, 64) if bits == 8 else GroupCodes.fit(torch.randn(64, 64), bits=4)
-    layer = codes_layer(bits)(codes, None, dtype=torch.float32)
+    if kind == "Q4_K":
+        layer = SuperBlock4Linear(random_q4_k(64, 256), None, torch.float32)
+    else:
+        codes = eight_bit_codes(64, 64) if kind == "8" else GroupCodes.fit(torch.randn(64, 64), bits=4)
+        layer = codes_layer(int(kind))(codes, None, dtype=torch.float32)
     step = torch.compile(lambda v: torch.relu(layer(v)) * 2, fullgraph=True, dynamic=True)  # rows stay symbolic
     with torch.inference_mode():
         for rows in (2, 5):
-            x = torch.randn(rows, 64)
+            x = torch.randn(rows, layer.in_features)
             torch.testing.assert_close(step(x), torch.relu(layer(x)) * 2)
+
+
+def test_four_bit_codes_fused_with_eight_bit_ones_keep_their_accuracy():
+    """q, k in 4 bits beside v in 8 (as Q4_K_M files mix them) fuse into one 8-bit layer: the 4-bit weights exactly,
+    and re-centred so that the 8-bit kernel's error stays that of 8-bit codes (not fifteen times a 4-bit one's)."""
+    torch.manual_seed(0)
+    four, eight = fp16_exact(GroupCodes.fit(torch.randn(32, 256) * 0.05, 4)), eight_bit_codes(16, 256)
+    fused = GroupCodes.cat([four, eight])
+    assert fused.bits == 8 and torch.equal(fused.dequantize()[:32], four.dequantize())
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    x = torch.randn(5, 256)
+    with torch.inference_mode():
+        got = codes_layer(8)(fused, None, torch.float32)(x)[:, :32]
+    exact = x @ four.dequantize().t()
+    assert ((got - exact).norm() / exact.norm()).item() < 0.01
 
 
 def test_eight_bit_codes_are_two_exact_four_bit_halves():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -159,3 +160,28 @@ def add_bpe_vocabulary(writer, src: Path) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
+
+
+def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
+    """float32 (rows, in) -> GGUF's Q4_K blocks (rows, in // 256 · 144) uint8, as llama.cpp lays them out (the gguf
+    library reads them but does not write them): per group of 32 the min/max codes, their scales and minimums in
+    6 bits of the super-block's d and dmin."""
+    rows, in_features = weight.shape
+    groups = weight.reshape(rows, in_features // 256, 8, 32).astype(np.float32)
+    low = np.minimum(groups.min(-1), 0)  # (rows, blocks, 8): Q4_K's minimum is −dmin·mn <= 0
+    step = np.maximum((groups.max(-1) - low) / 15, 1e-8)
+    d = np.maximum(step.max(-1) / 63, 1e-6).astype(np.float16)  # (rows, blocks); not 0 in float16
+    dmin = np.maximum(-low.min(-1) / 63, 1e-6).astype(np.float16)
+    sc = np.clip(np.rint(step / d[..., None].astype(np.float32)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / dmin[..., None].astype(np.float32)), 0, 63).astype(np.uint8)
+    scale = d[..., None].astype(np.float32) * sc
+    minimum = dmin[..., None].astype(np.float32) * mn
+    q = np.clip(np.rint((groups + minimum[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)  # (rows, blocks, 8, 32)
+    packed = np.empty((rows, in_features // 256, 12), dtype=np.uint8)  # llama.cpp's get_scale_min_k4, inverted
+    packed[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    packed[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    pairs = q.reshape(rows, in_features // 256, 4, 2, 32)  # (.., chunk, sub-block in it, 32): low and high nibbles
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, -1, 128)
+    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
+    return blocks.reshape(rows, -1)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from engine.models.architecture import ARCHITECTURES
 from engine.config import ConfigError, ModelConfig
-from engine.linear.codes import GroupCodes
+from engine.linear.codes import QUANTIZED, QuantizedWeight, fuse
 from weights.gguf_file import WEIGHTS_NAME, GGUFFile
 
 # Buffers some exporters save that are recomputed from the config, never weights.
@@ -137,13 +137,13 @@ def check_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, source:
         raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]} (not part of a {config.model_type} model of this config)")
 
 
-Weight = torch.Tensor | GroupCodes
+Weight = torch.Tensor | QuantizedWeight
 
 
 def to_model_state(tensors: dict[str, Weight], config: ModelConfig, dtype: torch.dtype) -> dict[str, Weight]:
     """Hugging Face names -> the names of `engine.models.model.Transformer`, with q/k/v and gate/up fused; floats in `dtype`."""
     head = tensors.get("lm_head.weight")
-    tied_head = config.tie_word_embeddings and not isinstance(head, GroupCodes)  # a quantized tied head has its own codes
+    tied_head = config.tie_word_embeddings and not isinstance(head, QUANTIZED)  # a quantized tied head has its own codes
     state = {
         "embed_tokens.weight": tensors["model.embed_tokens.weight"],
         "norm.weight": tensors["model.norm.weight"],
@@ -163,21 +163,14 @@ def to_model_state(tensors: dict[str, Weight], config: ModelConfig, dtype: torch
             state[dst + f"mlp.gate_up_proj.{kind}"] = fuse([tensors[src + f"mlp.{n}_proj.{kind}"] for n in ("gate", "up")])
             state[dst + f"mlp.down_proj.{kind}"] = tensors[src + f"mlp.down_proj.{kind}"]
     converted: dict[int, Weight] = {}  # tied weights stay one tensor after the cast
-    return {name: converted.setdefault(id(t), t if isinstance(t, GroupCodes) else t.to(dtype)) for name, t in state.items()}
-
-
-def fuse(parts: list[Weight]) -> Weight:
-    """Row-stacked parts: floats stay floats; any quantized part makes the whole quantized."""
-    if any(isinstance(p, GroupCodes) for p in parts):
-        return GroupCodes.cat(parts)
-    return torch.cat(parts)
+    return {name: converted.setdefault(id(t), t if isinstance(t, QUANTIZED) else t.to(dtype)) for name, t in state.items()}
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                     codes: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
     """(config, state dict for `engine.models.model.Transformer`) from a Hugging Face folder; strict.
 
-    With `codes`, a GGUF's quantized matrices come as `GroupCodes` (see `weights.gguf_file`); otherwise
+    With `codes`, a GGUF's quantized matrices come as `GroupCodes` or `SuperBlockCodes` (see `weights.gguf_file`); otherwise
     every weight is a `dtype` tensor.
     """
     path = Path(path)

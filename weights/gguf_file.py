@@ -2,8 +2,8 @@
 
 What a GGUF holds and how it maps:
 - tensors, possibly quantized, renamed to Hugging Face names: either dequantized to float32 (exact for
-  every block format), or, for the matrices of a quantized file, kept as group codes: Q4_0, Q4_1 and
-  Q8_0 blocks as stored, other block types fitted to 4 or 8 bits. Two converter edits are undone, so that
+  every block format), or, for the matrices of a quantized file, kept as codes: Q4_0, Q4_1 and Q8_0 blocks
+  as stored group codes, Q4_K as stored super-block codes, other block types fitted to 4 or 8 bits. Two converter edits are undone, so that
   a tensor means what it does in the Hugging Face checkpoint: for `llama`, q/k rows are un-permuted
   (llama.cpp interleaves each head's two RoPE halves; kvserve and transformers use the half-split
   layout); for `gemma3`, the 1 that llama.cpp adds to every norm weight is taken off again;
@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from engine.linear.codes import GroupCodes
+from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, SuperBlockCodes
 from weights.gguf_reader import GGUFFormatError, Reader
 from weights.sentencepiece import sentencepiece_tokenizer
 
@@ -41,7 +41,6 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 }
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-FOUR_BIT_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}  # the rest fit 8 bits
 WEIGHTS_NAME = "model.gguf"  # an imported folder's weights: the GGUF itself
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
@@ -89,6 +88,25 @@ STORED_BLOCKS = {
     GGMLQuantizationType.Q4_1: BlockLayout(block_bytes=20, codes_from=4, bits=4, offset=0),
     GGMLQuantizationType.Q8_0: BlockLayout(block_bytes=34, codes_from=2, bits=8, offset=128),
 }
+
+
+Q4_K_BLOCK_BYTES = 144  # float16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 of 4-bit codes
+
+
+def q4_k_codes(blocks: np.ndarray) -> SuperBlockCodes:
+    """Q4_K blocks (rows, super-blocks, 144 bytes) as stored, unpacked: per super-block d and dmin, per group of 32
+    its 6-bit sc and mn (llama.cpp's get_scale_min_k4: groups 0-3 in the low 6 bits of bytes 0-3 and 4-7, groups 4-7
+    in bytes 8-11's nibbles with their top 2 bits in the top bits of bytes 0-7), per 64 inputs 32 bytes whose low
+    nibbles are the first 32 codes and high nibbles the next 32."""
+    rows, count, _ = blocks.shape
+    half = lambda at: blocks[..., at:at + 2].copy().view(np.float16)[..., 0]  # (rows, blocks)
+    packed = blocks[..., 4:16]
+    sc = np.concatenate([packed[..., 0:4] & 63, (packed[..., 8:12] & 15) | ((packed[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = blocks[..., 16:].reshape(rows, count, 4, 1, 32)  # (rows, blocks, 64 inputs, nibble, 32)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, -1)
+    torn = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
+    return SuperBlockCodes(torn(codes), torn(sc), torn(mn), torn(half(0)), torn(half(2)), ("Q4_K as stored",))
 
 
 class GGUFError(ValueError):
@@ -202,7 +220,7 @@ class GGUFFile:
                 raise GGUFError(f"{self.path.name}: tensor {t.name} has quantization type {t.tensor_type.name}, "
                                 f"which kvserve does not read (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
 
-    def tensors(self, progress: bool = True, codes: bool = False) -> dict[str, torch.Tensor | GroupCodes]:
+    def tensors(self, progress: bool = True, codes: bool = False) -> dict[str, torch.Tensor | QuantizedWeight]:
         """Hugging Face name -> float32 tensor; with `codes`, quantized matrices (not the embedding) as group codes.
 
         A tied model's quantized embedding is also the LM head: then "lm_head.weight" holds its codes.
@@ -210,7 +228,7 @@ class GGUFFile:
         self.check_types()
         config = self.hf_config()
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-        out: dict[str, torch.Tensor | GroupCodes] = {}
+        out: dict[str, torch.Tensor | QuantizedWeight] = {}
         for t in tqdm(self.reader.tensors, desc="reading weights", unit="tensor", disable=not progress):
             name = self.hf_name(t.name)
             quantized = codes and t.tensor_type not in FLOAT_TYPES and len(t.shape) == 2
@@ -220,7 +238,7 @@ class GGUFFile:
             stem = t.name.split(".")[-2]
             if self.arch == "llama" and stem in heads:
                 reorder = functools.partial(unpermute_rope_rows, heads=heads[stem])
-                value = value.map_rows(reorder) if isinstance(value, GroupCodes) else reorder(value)
+                value = value.map_rows(reorder) if isinstance(value, QUANTIZED) else reorder(value)
             if self.arch == "gemma3" and name.endswith("norm.weight"):  # stored as 1 + w, meant as w
                 value = value - 1.0
             out[name] = value
@@ -236,10 +254,13 @@ class GGUFFile:
         return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a writable copy
 
     @classmethod
-    def group_codes(cls, t) -> GroupCodes:
-        """A quantized matrix as group codes: Q4_0, Q4_1 and Q8_0 as stored, other types fitted (4 or 8 bits)."""
+    def group_codes(cls, t) -> QuantizedWeight:
+        """A quantized matrix as kvserve holds it: Q4_0, Q4_1 and Q8_0 as stored group codes, Q4_K as stored
+        super-block codes, other types fitted to group codes (4 or 8 bits)."""
+        if t.tensor_type == GGMLQuantizationType.Q4_K:
+            return q4_k_codes(np.asarray(t.data).reshape(int(t.shape[1]), -1, Q4_K_BLOCK_BYTES))
         if t.tensor_type not in STORED_BLOCKS:
-            return GroupCodes.fit(cls.dense(t), 4 if t.tensor_type in FOUR_BIT_TYPES else 8, source=t.tensor_type.name)
+            return GroupCodes.fit(cls.dense(t), 8, source=t.tensor_type.name)  # Q5_0, Q5_1, Q5_K, Q6_K
         layout = STORED_BLOCKS[t.tensor_type]
         rows = int(t.shape[1])
         blocks = np.asarray(t.data).reshape(rows, -1, layout.block_bytes)  # (out, groups, bytes per block)

@@ -2,8 +2,8 @@
 
 `Planner.plan(weight, bias, role)` is called once for every matrix while a model is built (engine/models/model.py's
 `build_model`); nothing changes a layer afterwards. What it weighs:
-- the weight as the checkpoint holds it: float, or group codes from a GGUF's blocks (`GroupCodes.served` says
-  which type, and whether as stored or fitted at load);
+- the weight as the checkpoint holds it: float, or codes from a GGUF's blocks (group codes, or Q4_K's super-block
+  codes; their `served` says which type, and whether as stored or fitted at load);
 - the policy: `quantize` (auto/none: float weights stay dense and codes are served as they come; int4/int8:
   float weights quantized at load, the LM head in int8 rows under int4, since 4-bit logits flip greedy answers),
   and `dense_copies` (quantized block layers also keep a dense copy for many rows);
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.linear.codes import GroupCodes
+from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, SuperBlockCodes
 from engine.linear.dense import WEIGHT_LEFT_MIN_ELEMENTS, CpuLinear, PackedLinear, packs_bfloat16
-from engine.linear.quantized import Codes4Linear, Codes8Linear, GroupLinear, Int8Linear, WeightOnlyLinear
+from engine.linear.quantized import Codes4Linear, Codes8Linear, GroupLinear, Int8Linear, SuperBlock4Linear, WeightOnlyLinear
 from engine.linear.timing import ProductForms, Timings, measure_forms, measure_switch
 from engine.linear.two_forms import TwoForms, dense_weight
 
@@ -102,7 +102,7 @@ class Planner:
         timings = Timings.for_machine(kernels_library() if machine.kernels_off is None else None)
         return cls(machine, quantize, dense_copies, timings)
 
-    def plan(self, weight: torch.Tensor | GroupCodes, bias: torch.Tensor | None, role: Role) -> Decision:
+    def plan(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, role: Role) -> Decision:
         """The layer that serves `weight` (out, in) in `role`, and why."""
         if not self.machine.cpu:
             return Decision(role.name, plain_linear(weight, bias), f"dense on {self.machine.device.type}: torch's product")
@@ -113,18 +113,22 @@ class Planner:
                 return self._with_dense_form(codes, role, f"int8 rows quantized at load ({why})", ())
             codes, how = self._codes_layer(GroupCodes.fit(weight, 4), convert(bias), role.head)
             return self._with_dense_form(codes, role, f"int4 groups quantized at load (quantize=int4): {how}", ())
-        if isinstance(weight, GroupCodes):
+        if isinstance(weight, SuperBlockCodes) and self.machine.kernels_off is not None:
+            weight = weight.group_codes()  # torch's kernel takes groups: d·sc and dmin·mn per group
+        if isinstance(weight, QUANTIZED):
             codes, how = self._codes_layer(weight, convert(bias), role.head)
             return self._with_dense_form(codes, role, f"{'; '.join(weight.served)}: {how}", weight.served)
         layer, how = self._dense_layer(weight, bias, packable=weight is not role.tied_embedding)
         return Decision(role.name, layer, how)
 
-    def _codes_layer(self, weight: GroupCodes, bias: torch.Tensor | None, head: bool) -> tuple[WeightOnlyLinear, str]:
+    def _codes_layer(self, weight: QuantizedWeight, bias: torch.Tensor | None, head: bool) -> tuple[WeightOnlyLinear, str]:
+        output = torch.float32 if head else torch.bfloat16  # logits are float32
+        if isinstance(weight, SuperBlockCodes):
+            return SuperBlock4Linear(weight, bias, output), "kvserve's Q4_K kernel (dot products at every row count)"
         kind = codes_layer_class(weight.bits, self.machine)
         if kind is GroupLinear:
             halves = " (8 bits as two 4-bit halves)" if weight.bits == 8 else ""
             return GroupLinear(weight, bias), f"torch's int4 kernel{halves} (kvserve's kernels are off here: {self.machine.kernels_off})"
-        output = torch.float32 if head else torch.bfloat16  # logits are float32
         forms = self.forms
         return kind(weight, bias, output, forms), f"kvserve's {weight.bits}-bit kernel ({forms.described()})"
 

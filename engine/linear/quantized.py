@@ -1,12 +1,15 @@
 """Linear layers over quantized weights (weight-only: activations stay in bfloat16), for CPU decode.
 
-Two layouts (activations stay in bfloat16):
+Three layouts:
 - groups (`GroupCodes`): each group of 32 inputs of an output row keeps unsigned codes, one scale and one
   minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks, 8-bit codes Q8_0's
   (shifted by 128). kvserve's own kernels (engine/linear/native) run them where they build, as integer dot products
   with the inputs quantized to 8 bits per group, as llama.cpp computes them (`Codes4Linear`,
   `Codes8Linear`). Elsewhere torch's int4 kernel runs both (`GroupLinear`): an 8-bit code is two 4-bit
   halves, 16·high + low, served as two stacked output rows and summed.
+- super-blocks (`SuperBlockCodes`): GGUF's Q4_K as stored, 256 inputs with a float16 scale and minimum scale,
+  each group of 32 in them a 6-bit scale and minimum of those: `SuperBlock4Linear` on kvserve's kernel, each
+  group multiplied as a 4-bit group of scale d·sc and minimum −dmin·mn.
 - rows (`Int8Linear`): each output row keeps 8-bit codes in [-127, 127] and one scale (int8pack).
 
 Which of them serves a given matrix is the planner's decision (engine/linear/planner.py).
@@ -18,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.linear.codes import GROUP_SIZE, GroupCodes
+from engine.linear.codes import GROUP_SIZE, GroupCodes, SuperBlockCodes
 from engine.linear.timing import ProductForms
 
 
@@ -87,12 +90,11 @@ class GroupTiles(WeightOnlyLinear):
             raise ValueError(f"{type(self).__name__} serves {self.bits}-bit codes, got {weight.bits}-bit ones")
         self.out_features, self.in_features = weight.shape
         pad = -self.out_features % self.TILE
-        codes, scale, minimum = (F.pad(t, (0, 0, 0, pad)) for t in (weight.codes, weight.scale, weight.minimum))
+        codes = F.pad(weight.codes, (0, 0, 0, pad))
         tiles, groups = codes.shape[0] // self.TILE, self.in_features // GROUP_SIZE
         self.register_buffer("packed", self.pack(codes.view(tiles, self.TILE, groups, GROUP_SIZE)).reshape(tiles, -1))
-        per_tile = lambda t: t.view(tiles, self.TILE, groups).transpose(1, 2).contiguous().to(torch.float16)  # (tile, group, row)
-        self.register_buffer("scale", per_tile(scale))
-        self.register_buffer("minimum", per_tile(minimum))
+        self.register_buffer("scale", tiles_of(weight.scale, self.TILE).to(torch.float16))
+        self.register_buffer("minimum", tiles_of(weight.minimum, self.TILE).to(torch.float16))
         self.bias = bias
         self.activation_dtype = dtype
         self.forms = forms  # the kernel's form by input rows: as measured for this CPU (the planner), else dot products
@@ -138,6 +140,40 @@ class Codes8Linear(GroupTiles):
         tiles, rows, groups, _ = codes.shape
         q = codes.view(tiles, rows, groups, 8, 4)  # (tile, row, group, run k, input 4k + i)
         return q.permute(0, 2, 3, 1, 4).contiguous()  # (tile, group, run, row, input): the kernel's byte order
+
+
+class SuperBlock4Linear(WeightOnlyLinear):
+    """GGUF's Q4_K as stored, through kvserve's kernel (engine/linear/native/superblock4_product.cpp): the codes
+    packed as Codes4Linear packs them, in tiles of 16 output rows, beside each tile's 6-bit group scales and
+    minimums (a byte each) and its super-blocks' float16 d and dmin. Each group is then a 4-bit group of scale
+    d·sc and minimum −dmin·mn, multiplied as Codes4Linear multiplies one."""
+
+    TILE = 16
+
+    def __init__(self, weight: SuperBlockCodes, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        tiled = lambda t: tiles_of(t, self.TILE)  # (tile, column, row)
+        codes = F.pad(weight.codes, (0, 0, 0, -self.out_features % self.TILE))
+        tiles, groups = codes.shape[0] // self.TILE, self.in_features // GROUP_SIZE
+        self.register_buffer("packed", Codes4Linear.pack(codes.view(tiles, self.TILE, groups, GROUP_SIZE)).reshape(tiles, -1))
+        self.register_buffer("group_scale", tiled(weight.group_scale))
+        self.register_buffer("group_minimum", tiled(weight.group_minimum))
+        self.register_buffer("scale", tiled(weight.scale))
+        self.register_buffer("minimum_scale", tiled(weight.minimum_scale))
+        self.bias = bias
+        self.activation_dtype = dtype
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.kvserve.superblock4_product(rows.contiguous(), self.packed, self.group_scale, self.group_minimum,
+                                                  self.scale, self.minimum_scale, self.out_features)
+        return y.to(self.activation_dtype)
+
+
+def tiles_of(t: torch.Tensor, tile: int) -> torch.Tensor:
+    """(rows, n) -> (tiles, n, tile), contiguous: the rows padded with zeros to whole tiles, each tile's rows last."""
+    padded = F.pad(t, (0, 0, 0, -t.shape[0] % tile))
+    return padded.view(-1, tile, t.shape[1]).transpose(1, 2).contiguous()
 
 
 class Int8Linear(WeightOnlyLinear):

@@ -11,7 +11,7 @@ from engine.models.architecture import ARCHITECTURES
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.linear.codes import GroupCodes
+from engine.linear.codes import QuantizedWeight
 from engine.linear.planner import Decision, Machine, Planner, Role
 from engine.rope import RotaryTable
 
@@ -52,7 +52,7 @@ class Transformer(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor | GroupCodes], device: torch.device,
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWeight], device: torch.device,
                 planner: Planner | None = None) -> Transformer:
     """A Transformer holding exactly `state` (strict: every parameter present, no extras), on `device`.
 

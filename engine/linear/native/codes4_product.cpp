@@ -16,36 +16,6 @@
 
 #include "group_product.h"
 
-namespace kvserve {
-namespace {
-
-struct Codes4Tile {
-  static constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;
-  static constexpr int32_t kCentre = 8;
-
-  // Run k's low nibbles are inputs 8k..8k+3, its high ones 8k+4..8k+7: operands 2k and 2k + 1.
-  static void operands(const uint8_t* bytes, int part, Operand (&w)[8]) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const Operand low_nibbles = _mm512_set1_epi8(0x0F);
-    for (int k = 0; k < 4; ++k) {
-      const Operand run = _mm512_loadu_si512(bytes + 64 * k);
-      w[2 * k] = _mm512_and_si512(run, low_nibbles);
-      w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(run, 4), low_nibbles);
-    }
-#else
-    const Operand low_nibbles = _mm256_set1_epi8(0x0F);
-    for (int k = 0; k < 4; ++k) {
-      const Operand run = _mm256_loadu_si256(reinterpret_cast<const Operand*>(bytes + 64 * k + 32 * part));
-      w[2 * k] = _mm256_and_si256(run, low_nibbles);
-      w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(run, 4), low_nibbles);
-    }
-#endif
-  }
-};
-
-}  // namespace
-}  // namespace kvserve
-
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("tile_forms() -> int", &kvserve::tile_forms);  // bits: 1 integer tiles, 2 bfloat16 tiles (group_product.h)
   m.def("codes4_product(Tensor rows, Tensor packed, Tensor scale, Tensor minimum, int out_features, "

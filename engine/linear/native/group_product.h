@@ -68,6 +68,26 @@ inline int32_t four_codes(const int8_t* p) {  // 4 input codes as one broadcasta
   return v;
 }
 
+// Where a tile's scale s and minimum m per (group, output row) come from (w = s·q + m):
+// - HalfScales: float16, as Q4_0, Q4_1 and Q8_0 store them, (groups, 16) per tile;
+// - SuperBlockScales: Q4_K's, s = d·sc and m = −dmin·mn, with 6-bit sc and mn per group, (groups, 16) per tile,
+//   and float16 d and dmin per super-block of 8 groups, (groups / 8, 16) per tile.
+// load(scales, g, part, s, m) gives group g's for the tile's rows in register `part` (16 rows: all of them in one
+// AVX-512 register; two parts of 8 with AVX2).
+constexpr int64_t kSuperBlockGroups = 8;
+
+struct HalfScales {
+  const at::Half* scale;
+  const at::Half* minimum;
+};
+
+struct SuperBlockScales {
+  const uint8_t* group_scale;
+  const uint8_t* group_minimum;
+  const at::Half* scale;
+  const at::Half* minimum_scale;
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 using Operand = __m512i;  // 64 code bytes: 4 inputs of each of a tile's 16 rows
@@ -75,17 +95,34 @@ constexpr int kParts = 1;  // registers per tile
 
 // One part of a tile (all of it here), R input rows from `row`: y[r·out + 0..15] = the product, group by group.
 // Codes::operands(bytes, part, w) gives the group's 8 operands, w[k] = the codes of inputs 4k..4k+3.
-template <typename Codes, int R>
-void run_tile(const uint8_t* packed, const at::Half* scale, const at::Half* minimum, int64_t groups,
-              const QuantizedRows& x, int64_t row, int64_t in, float* y, int64_t out) {
+inline void load(const HalfScales& scales, int64_t g, int, __m512& s, __m512& m) {
+  s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales.scale + g * kTile)));
+  m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales.minimum + g * kTile)));
+}
+
+inline void load(const SuperBlockScales& scales, int64_t g, int, __m512& s, __m512& m) {
+  const int64_t block = g / kSuperBlockGroups * kTile;
+  const auto bytes = [&](const uint8_t* p) {  // 16 unsigned bytes -> float32
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g * kTile))));
+  };
+  const auto halves = [&](const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + block)));
+  };
+  s = _mm512_mul_ps(halves(scales.scale), bytes(scales.group_scale));
+  m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(halves(scales.minimum_scale), bytes(scales.group_minimum)));
+}
+
+template <typename Codes, int R, typename Scales>
+void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const QuantizedRows& x, int64_t row,
+              int64_t in, float* y, int64_t out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     Operand w[8];
     Codes::operands(packed + g * Codes::kTileGroupBytes, 0, w);
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kTile)));
-    const __m512 rest = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(Codes::kCentre)), s,
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + g * kTile))));
+    __m512 s, minimum;
+    load(scales, g, 0, s, minimum);
+    const __m512 rest = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(Codes::kCentre)), s, minimum);
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (row + r) * groups + g;
       const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
@@ -116,19 +153,36 @@ inline __m256i dot_centred(__m256i acc, __m256i q, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-template <typename Codes, int R>
-void run_tile(const uint8_t* packed, const at::Half* scale, const at::Half* minimum, int64_t groups,
-              const QuantizedRows& x, int64_t row, int64_t in, float* y, int64_t out) {
+inline void load(const HalfScales& scales, int64_t g, int part, __m256& s, __m256& m) {
+  const int64_t lanes = g * kTile + 8 * part;
+  s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales.scale + lanes)));
+  m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales.minimum + lanes)));
+}
+
+inline void load(const SuperBlockScales& scales, int64_t g, int part, __m256& s, __m256& m) {
+  const int64_t lanes = g * kTile + 8 * part, block = g / kSuperBlockGroups * kTile + 8 * part;
+  const auto bytes = [&](const uint8_t* p) {  // 8 unsigned bytes -> float32
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + lanes))));
+  };
+  const auto halves = [&](const at::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + block)));
+  };
+  s = _mm256_mul_ps(halves(scales.scale), bytes(scales.group_scale));
+  m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves(scales.minimum_scale), bytes(scales.group_minimum)));
+}
+
+template <typename Codes, int R, typename Scales>
+void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const QuantizedRows& x, int64_t row,
+              int64_t in, float* y, int64_t out) {
   for (int part = 0; part < kParts; ++part) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       Operand w[8];
       Codes::operands(packed + g * Codes::kTileGroupBytes, part, w);
-      const int64_t lanes = g * kTile + 8 * part;
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + lanes)));
-      const __m256 rest = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(Codes::kCentre)), s,
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimum + lanes))));
+      __m256 s, minimum;
+      load(scales, g, part, s, minimum);
+      const __m256 rest = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(Codes::kCentre)), s, minimum);
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (row + r) * groups + g;
         const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
@@ -147,6 +201,31 @@ void run_tile(const uint8_t* packed, const at::Half* scale, const at::Half* mini
 }
 
 #endif
+
+// 4-bit codes (codes4_product.cpp's layout, also Q4_K's: superblock4_product.cpp), centred on 8.
+struct Codes4Tile {
+  static constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;
+  static constexpr int32_t kCentre = 8;
+
+  // Run k's low nibbles are inputs 8k..8k+3, its high ones 8k+4..8k+7: operands 2k and 2k + 1.
+  static void operands(const uint8_t* bytes, int part, Operand (&w)[8]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const Operand low_nibbles = _mm512_set1_epi8(0x0F);
+    for (int k = 0; k < 4; ++k) {
+      const Operand run = _mm512_loadu_si512(bytes + 64 * k);
+      w[2 * k] = _mm512_and_si512(run, low_nibbles);
+      w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(run, 4), low_nibbles);
+    }
+#else
+    const Operand low_nibbles = _mm256_set1_epi8(0x0F);
+    for (int k = 0; k < 4; ++k) {
+      const Operand run = _mm256_loadu_si256(reinterpret_cast<const Operand*>(bytes + 64 * k + 32 * part));
+      w[2 * k] = _mm256_and_si256(run, low_nibbles);
+      w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(run, 4), low_nibbles);
+    }
+#endif
+  }
+};
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVSERVE_AMX 1
@@ -357,6 +436,35 @@ void run_tiles_bf16(const uint8_t* codes, const at::Half* scales, const at::Half
 #endif
 #endif
 
+// Vector dot products of every input row with every tile: scales_of(t) gives tile t's scales (HalfScales or
+// SuperBlockScales). Checks what every form shares: the rows, the packed codes, out_features.
+template <typename Tile, typename ScalesOf>
+at::Tensor dot_product(const at::Tensor& rows, const at::Tensor& packed, int64_t out_features, ScalesOf scales_of) {
+  TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
+                  rows.is_contiguous(), "rows: contiguous float32 or bfloat16 (m, in)");
+  const int64_t m = rows.size(0), in = rows.size(1), groups = in / kGroup, tiles = packed.size(0);
+  TORCH_CHECK(in % kGroup == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(1) == groups * Tile::kTileGroupBytes, "packed: contiguous uint8 (tiles, groups · tile bytes)");
+  TORCH_CHECK(0 < out_features && out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
+              "out_features must fall in the last tile");
+  const int64_t padded = tiles * kTile;
+  at::Tensor y = at::empty({m, padded}, rows.options().dtype(at::kFloat));
+  const QuantizedRows x(rows, Tile::kCentre);
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* p = codes + t * groups * Tile::kTileGroupBytes;
+      const auto scales = scales_of(t);
+      int64_t r = 0;
+      for (; r + kRowsPerPass <= m; r += kRowsPerPass)
+        run_tile<Tile, kRowsPerPass>(p, scales, groups, x, r, in, yp + r * padded + t * kTile, padded);
+      for (; r < m; ++r) run_tile<Tile, 1>(p, scales, groups, x, r, in, yp + r * padded + t * kTile, padded);
+    }
+  });
+  return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
+}
+
 // The forms a product can take besides vector dot products, as bits: what this build and process can run.
 constexpr int64_t kIntegerTiles = 1, kBfloat16Tiles = 2;
 
@@ -411,29 +519,20 @@ at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const
     return y16.narrow(0, 0, m).narrow(1, 0, out_features).contiguous();
   }
 #endif
-  at::Tensor y = at::empty({m, padded}, rows.options().dtype(at::kFloat));
-  const QuantizedRows x(rows, Tile::kCentre);
-  float* yp = y.data_ptr<float>();
 #ifdef KVSERVE_AMX
   if (m >= integer_tiles_from && amx_permitted()) {
+    at::Tensor y = at::empty({m, padded}, rows.options().dtype(at::kFloat));
+    const QuantizedRows x(rows, Tile::kCentre);
+    float* yp = y.data_ptr<float>();
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       run_tiles_amx<Tile>(codes, scales, minimums, groups, x, m, in, yp, padded, begin, end);
     });
     return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
   }
 #endif
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* p = codes + t * groups * Tile::kTileGroupBytes;
-      const at::Half* s = scales + t * groups * kTile;
-      const at::Half* mn = minimums + t * groups * kTile;
-      int64_t r = 0;
-      for (; r + kRowsPerPass <= m; r += kRowsPerPass)
-        run_tile<Tile, kRowsPerPass>(p, s, mn, groups, x, r, in, yp + r * padded + t * kTile, padded);
-      for (; r < m; ++r) run_tile<Tile, 1>(p, s, mn, groups, x, r, in, yp + r * padded + t * kTile, padded);
-    }
+  return dot_product<Tile>(rows, packed, out_features, [&](int64_t t) {
+    return HalfScales{scales + t * groups * kTile, minimums + t * groups * kTile};
   });
-  return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
 }
 
 // The output's shape for torch.compile's tracing: symbolic rows, so a graph traced with a dynamic row count keeps
