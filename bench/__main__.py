@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp,families}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp,families,quants}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     families.add_argument("--repeats", type=int, default=3)
     families.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                           help="the kvserve server's --compile (timings start once its compile is done)")
+
+    quants = command("quants", help="kvserve vs llama.cpp on the same GGUF files: 1 and N streams over HTTP, llama-bench tg, "
+                                     "resident memory, the read-bandwidth floor")
+    from bench.quants import add_arguments
+
+    add_arguments(quants)
 
     args = parser.parse_args(argv)
     if args.threads:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from engine import EngineConfig
 from engine.linear.planner import Machine, codes_layer_class, summary
 from engine.linear.quantized import WeightOnlyLinear
-from tests.tiny import add_bpe_vocabulary, add_shape, gguf_name, quantize_q4_k
+from tests.tiny import add_bpe_vocabulary, add_shape, gguf_name, quantize_q4_k, quantize_q6_k
 from weights.checkpoint import transformers_files
 from weights.gguf_file import GGUFError, import_gguf, unpermute_rope_rows
 from weights.loading import load_engine
@@ -29,6 +29,9 @@ def quant_type(name: str, array: np.ndarray) -> GGMLQuantizationType:
     if array.ndim == 1:
         return GGMLQuantizationType.F32
     return GGMLQuantizationType.Q8_0 if "mlp" in name or "embed" in name else GGMLQuantizationType.F16
+
+
+K_QUANT_WRITERS = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K: quantize_q6_k}
 
 
 def write_gguf(src, out_path, override_type=None):
@@ -56,8 +59,8 @@ def write_gguf(src, out_path, override_type=None):
             data = stored.astype(np.float16)
         elif qtype == GGMLQuantizationType.F32:
             data = stored.astype(np.float32)
-        elif qtype == GGMLQuantizationType.Q4_K:  # the gguf library reads Q4_K but does not write it
-            data = quantize_q4_k(stored)
+        elif qtype in K_QUANT_WRITERS:  # the gguf library reads K-quants but does not write them
+            data = K_QUANT_WRITERS[qtype](stored)
         else:
             data = quantize(stored, qtype)
         writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
@@ -203,17 +206,19 @@ def test_a_quantized_gguf_is_served_as_stored(gguf_model, tiny_dir, tmp_path, qt
     assert kl.item() < 0.01  # bfloat16 activations only: the weights are the same
 
 
-Q4_K_M_LIKE = {"v_proj": GGMLQuantizationType.Q8_0, "down_proj": GGMLQuantizationType.Q8_0}  # the rest Q4_K
+# As llama-quantize's Q4_K_M: the embedding (here the tied head), v and down in Q6_K, the rest Q4_K.
+Q4_K_M = {"embed_tokens": GGMLQuantizationType.Q6_K, "v_proj": GGMLQuantizationType.Q6_K,
+          "down_proj": GGMLQuantizationType.Q6_K}
 
 
-@pytest.mark.parametrize("mix", ["Q4_K", "Q4_K_M-like"])
-def test_a_q4_k_gguf_is_served_as_stored_and_matches_transformers(model_dir, tmp_path, mix):
-    """A model 256 wide (whole super-blocks), tied: every matrix in Q4_K, or v and down in another type as Q4_K_M
-    files mix them (q, k and v then fuse into one 8-bit layer). The oracle is transformers on the same weights."""
+@pytest.mark.parametrize("mix", ["Q4_K", "Q4_K_M"])
+def test_a_k_quant_gguf_is_served_as_stored_and_matches_transformers(model_dir, tmp_path, mix):
+    """A model 256 wide (whole super-blocks), tied: every matrix in Q4_K, or in Q4_K_M's mix of Q4_K and Q6_K (q and k
+    in Q4_K beside v in Q6_K then fuse into one 8-bit layer). The oracle is transformers on the same weights."""
     from transformers import AutoModelForCausalLM
 
     src = model_dir("wide")
-    kind = (lambda name: Q4_K_M_LIKE.get(name.split(".")[-2], GGMLQuantizationType.Q4_K)) if mix != "Q4_K" else (
+    kind = (lambda name: Q4_K_M.get(name.split(".")[-2], GGMLQuantizationType.Q4_K)) if mix != "Q4_K" else (
         GGMLQuantizationType.Q4_K)
     held, config = write_gguf(src, tmp_path / "q.gguf", override_type=kind)
     imported = import_gguf(tmp_path / "q.gguf", tmp_path / "imported", progress=False)
@@ -221,14 +226,16 @@ def test_a_q4_k_gguf_is_served_as_stored_and_matches_transformers(model_dir, tmp
     served = load_engine(imported, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
     types = {entry["matrices"]: entry for entry in summary(list(served.model.plan))}
     kernels = Machine.found(torch.device("cpu")).kernels_off is None
-    q4_k = "SuperBlock4Linear" if kernels else "GroupLinear"
+    q4_k = "SuperBlockLinear" if kernels else "GroupLinear"
     assert types["layers.*.mlp.gate_up_proj"]["layer"] == q4_k
     assert types["layers.*.mlp.gate_up_proj"]["reason"].startswith("Q4_K as stored" if kernels else "Q4_K as 4-bit groups")
     if mix == "Q4_K":
         assert types["layers.*.self_attn.qkv_proj"]["layer"] == q4_k
         assert "TwoForms" in types["lm_head"]["layer"]  # the tied head: codes, and the embedding from some rows
-    else:  # Q4_K q and k beside Q8_0 v: one layer of 8-bit groups, each Q4_K group exact in it
+    else:  # Q4_K q and k beside Q6_K v: one layer of 8-bit groups, each Q4_K group exact in it, v fitted
         assert types["layers.*.self_attn.qkv_proj"]["reason"].startswith("Q4_K as 4-bit groups")
+        assert types["layers.*.mlp.down_proj"]["layer"] == ("SubBlock6Linear" if kernels else "GroupLinear")
+        assert served.model.plan[-1].served == (("Q6_K as stored",) if kernels else ("Q6_K fitted to 8-bit groups at load",))
     ids = [5, 17, 33, 120, 7, 250, 64]
     model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     with torch.inference_mode():

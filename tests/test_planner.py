@@ -125,7 +125,7 @@ def test_a_plan_is_summarised_by_matrix_name_and_by_gguf_type():
     entries = summary(decisions)
     assert [(e["matrices"], e["count"], e["layer"]) for e in entries] == [("layers.*.mlp.down_proj", 3, "GroupLinear"),
                                                                           ("lm_head", 1, "GroupLinear")]
-    assert served_by_type(decisions) == {"Q4_0": "as stored", "Q6_K": "fitted to 8-bit groups at load"}
+    assert served_by_type(decisions) == {"Q4_0": {"as stored": 3}, "Q6_K": {"fitted to 8-bit groups at load": 1}}
 
 
 def test_dense_from_is_the_first_count_from_which_dense_wins():

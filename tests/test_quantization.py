@@ -17,11 +17,11 @@ from engine import EngineConfig, SamplingParams
 from engine.device import cpu_description
 from engine.linear.native import load_kernels, load_or_build
 from engine.linear.timing import BFLOAT16_TILES, INTEGER_TILES, ProductForms, crossovers
-from engine.linear.codes import GroupCodes, SuperBlockCodes
+from engine.linear.codes import GroupCodes, SubBlockCodes, SuperBlockCodes
 from engine.linear.planner import Machine, Planner, Role, codes_layer_class
-from engine.linear.quantized import GroupLinear, Int8Linear, SuperBlock4Linear
+from engine.linear.quantized import GroupLinear, Int8Linear, SubBlock6Linear, SuperBlockLinear
 from tests.test_gguf import write_minimal_gguf
-from tests.tiny import quantize_q4_k
+from tests.tiny import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from weights.gguf_file import GGUFFile
 from weights.loading import load_engine
 
@@ -31,7 +31,8 @@ def codes_layer(bits: int):
     return codes_layer_class(bits, Machine.found(torch.device("cpu")))
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+                                   GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0])
 def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qtype):
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((48, 96)).astype(np.float32) * 0.05
@@ -40,7 +41,7 @@ def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qt
     (tensor,) = GGUFFile(path).reader.tensors
     codes = GGUFFile.group_codes(tensor)
     stored = torch.from_numpy(dequantize(np.asarray(tensor.data), qtype).reshape(48, 96))  # gguf's own reading
-    assert codes.bits == (8 if qtype == GGMLQuantizationType.Q8_0 else 4)
+    assert codes.bits == int(qtype.name[1]) and codes.served == (f"{qtype.name} as stored",)
     torch.testing.assert_close(codes.dequantize(), stored, atol=1e-6, rtol=1e-5)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0))
     expected = x.bfloat16().float() @ stored.t()
@@ -53,39 +54,46 @@ def test_gguf_blocks_serve_the_product_of_their_dequantized_weights(tmp_path, qt
     torch.testing.assert_close(ours, x @ stored.t(), atol=0.02 * expected.abs().max().item(), rtol=0.02)
 
 
-def q4_k_file(tmp_path, rows: int = 37, columns: int = 512):
-    """A GGUF holding one Q4_K matrix of random weights (groups whose minimum is not their negated maximum): its
-    tensor, and the weights as the gguf library reads them."""
+K_QUANTS = {"Q4_K": (GGMLQuantizationType.Q4_K, quantize_q4_k, SuperBlockCodes, SuperBlockLinear),
+            "Q5_K": (GGMLQuantizationType.Q5_K, quantize_q5_k, SuperBlockCodes, SuperBlockLinear),
+            "Q6_K": (GGMLQuantizationType.Q6_K, quantize_q6_k, SubBlockCodes, SubBlock6Linear)}
+
+
+def k_quant_file(tmp_path, kind: str = "Q4_K", rows: int = 37, columns: int = 512):
+    """A GGUF holding one matrix of random weights in `kind` (groups whose minimum is not their negated maximum): its
+    tensor, and the weights as the gguf library reads them (it reads K-quants but does not write them)."""
+    qtype, quantize_blocks, _, _ = K_QUANTS[kind]
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((rows, columns)) * 0.05).astype(np.float32)
     weight[:, :32] += 0.1
-    blocks = quantize_q4_k(weight)
-    path = write_minimal_gguf(tmp_path / "q4k.gguf", "llama", {"blk.0.ffn_up.weight": (blocks, GGMLQuantizationType.Q4_K)})
+    path = write_minimal_gguf(tmp_path / "k.gguf", "llama", {"blk.0.ffn_up.weight": (quantize_blocks(weight), qtype)})
     (tensor,) = GGUFFile(path).reader.tensors
-    return tensor, torch.from_numpy(dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q4_K).reshape(rows, columns))
+    return tensor, torch.from_numpy(dequantize(np.asarray(tensor.data), qtype).reshape(rows, columns))
 
 
+@pytest.mark.parametrize("kind", K_QUANTS)
 @pytest.mark.parametrize("rows", [1, 4, 16, 70])
-def test_q4_k_is_read_as_stored_and_multiplied_on_our_kernel(tmp_path, rows):
-    tensor, stored = q4_k_file(tmp_path)
+def test_k_quants_are_read_as_stored_and_multiplied_on_our_kernels(tmp_path, kind, rows):
+    tensor, stored = k_quant_file(tmp_path, kind)
+    _, _, layout, layer_class = K_QUANTS[kind]
     codes = GGUFFile.group_codes(tensor)
-    assert isinstance(codes, SuperBlockCodes) and codes.served == ("Q4_K as stored",)
+    assert isinstance(codes, layout) and codes.served == (f"{kind} as stored",)
     assert torch.equal(codes.dequantize(), stored)  # the file's own weights, not a second quantization
     if load_kernels() is not None:
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
-    layer = SuperBlock4Linear(codes, torch.randn(37), torch.float32)
+    layer = layer_class(codes, torch.randn(37), torch.float32)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     with torch.inference_mode():
         got = layer(x) - layer.bias
         one_hot = layer(torch.eye(512)) - layer.bias
     exact = x @ stored.t()
     assert got.shape == (rows, 37)
-    assert ((got - exact).norm() / exact.norm()).item() < 0.01  # as the Q4_0 kernel: 8-bit inputs, centred codes
+    assert ((got - exact).norm() / exact.norm()).item() < 0.01  # as the Q4_0 kernel: 8-bit inputs
     torch.testing.assert_close(one_hot, stored.t(), atol=1e-5, rtol=1e-5)
 
 
 def test_q4_k_without_our_kernels_is_its_groups_on_torchs(tmp_path):
-    tensor, stored = q4_k_file(tmp_path, rows=48)  # torch's int4 kernel takes whole tiles of 16 rows
+    tensor, stored = k_quant_file(tmp_path, rows=48)  # torch's int4 kernel takes whole tiles of 16 rows
     decision = Planner(Machine(torch.device("cpu"), kernels_off="no C++ compiler"), "auto").plan(
         GGUFFile.group_codes(tensor), None, Role("layers.0.mlp.down_proj"))
     assert isinstance(decision.layer, GroupLinear)
@@ -117,25 +125,28 @@ from engine.linear.native import build
 from engine.linear.timing import ProductForms
 from engine.linear.codes import GroupCodes
 from engine.linear.codes import SuperBlockCodes
-from engine.linear.quantized import Codes4Linear, Codes8Linear, SuperBlock4Linear
-from tests.test_quantization import eight_bit_codes, random_q4_k
+from engine.linear.quantized import Codes4Linear, Codes5Linear, Codes8Linear, SubBlock6Linear, SuperBlockLinear
+from tests.test_quantization import eight_bit_codes, random_q4_k, random_q5_k, random_q6_k
 build("g++", Path({str(tmp_path / "kernels.so")!r}), arch={arch!r})
 torch.ops.load_library({str(tmp_path / "kernels.so")!r})
 torch.manual_seed(0)
 x = torch.randn(21, 96)
-for codes, kind in ((GroupCodes.fit(torch.randn(37, 96), 4), Codes4Linear), (eight_bit_codes(37, 96), Codes8Linear)):
+for codes, kind in ((GroupCodes.fit(torch.randn(37, 96), 4), Codes4Linear), (GroupCodes.fit(torch.randn(37, 96), 5), Codes5Linear),
+                    (eight_bit_codes(37, 96), Codes8Linear)):
     exact = x @ codes.dequantize().t()
     layer = kind(codes, None, torch.float32, forms=ProductForms())  # dot products: these CPUs have no AMX
     print(kind.__name__, ((layer(x) - exact).norm() / exact.norm()).item())
-codes, x = random_q4_k(37, 512), torch.randn(21, 512)
-exact = x @ codes.dequantize().t()
-print("SuperBlock4Linear", ((SuperBlock4Linear(codes, None, torch.float32)(x) - exact).norm() / exact.norm()).item())
+x = torch.randn(21, 512)
+for codes, name in ((random_q4_k(37, 512), "Q4_K"), (random_q5_k(37, 512), "Q5_K"), (random_q6_k(37, 512), "Q6_K")):
+    exact = x @ codes.dequantize().t()
+    kind = SubBlock6Linear if name == "Q6_K" else SuperBlockLinear
+    print(name, ((kind(codes, None, torch.float32)(x) - exact).norm() / exact.norm()).item())
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     errors = dict(line.split() for line in result.stdout.splitlines())
-    assert float(errors["Codes4Linear"]) < 0.01 and float(errors["Codes8Linear"]) < 0.01
-    assert float(errors["SuperBlock4Linear"]) < 0.01
+    assert float(errors["Codes4Linear"]) < 0.01 and float(errors["Codes5Linear"]) < 0.01 and float(errors["Codes8Linear"]) < 0.01
+    assert all(float(errors[name]) < 0.01 for name in ("Q4_K", "Q5_K", "Q6_K"))
 
 
 def test_without_a_compiler_our_kernels_say_why(monkeypatch):
@@ -156,7 +167,7 @@ FORMS = {"dot": ProductForms(), "integer": ProductForms(integer_tiles_from=1), "
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("rows", [1, 4, 7, 40])
 def test_our_kernels_are_the_product_in_every_form(form, bits, rows):
     """Each form the kernels take (product_forms.py), forced at every row count: dot products and integer tiles
@@ -168,7 +179,7 @@ def test_our_kernels_are_the_product_in_every_form(form, bits, rows):
         pytest.skip(f"this CPU or build has no {form} tiles")
     torch.manual_seed(0)
     # 37 outputs: the last tile padded. Scales and minimums exact in float16, as GGUF holds them.
-    codes = eight_bit_codes(37, 96) if bits == 8 else fp16_exact(GroupCodes.fit(torch.randn(37, 96) * 0.05 + 0.02, 4))
+    codes = eight_bit_codes(37, 96) if bits == 8 else fp16_exact(GroupCodes.fit(torch.randn(37, 96) * 0.05 + 0.02, bits))
     layer = codes_layer(bits)(codes, torch.randn(37), dtype=torch.float32, forms=FORMS[form])
     x = torch.randn(rows, 96)
     with torch.inference_mode():
@@ -194,19 +205,38 @@ def random_q4_k(out_features: int, in_features: int) -> SuperBlockCodes:
                            (torch.rand(blocks, generator=generator) * 1e-3).half())
 
 
+def random_q6_k(out_features: int, in_features: int) -> SubBlockCodes:
+    """Q6_K codes of random bits: every code and int8 scale (of either sign), float16 d of a plausible size."""
+    generator = torch.Generator().manual_seed(0)
+    return SubBlockCodes(torch.randint(0, 64, (out_features, in_features), dtype=torch.uint8, generator=generator),
+                         torch.randint(-128, 128, (out_features, in_features // 16), dtype=torch.int8, generator=generator),
+                         (torch.rand(out_features, in_features // 256, generator=generator) * 1e-3).half())
+
+
 def fp16_exact(codes: GroupCodes) -> GroupCodes:
     return GroupCodes(codes.codes, codes.scale.half().float(), codes.minimum.half().float(), codes.bits)
 
 
-@pytest.mark.parametrize("kind", ["4", "8", "Q4_K"])
+def random_q5_k(out_features: int, in_features: int) -> SuperBlockCodes:
+    """Q5_K codes of random bits (Q4_K's scales, 5-bit codes)."""
+    four = random_q4_k(out_features, in_features)
+    codes = torch.randint(0, 32, four.codes.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    return SuperBlockCodes(codes, four.group_scale, four.group_minimum, four.scale, four.minimum_scale, bits=5)
+
+
+@pytest.mark.parametrize("kind", ["4", "5", "8", "Q4_K", "Q5_K", "Q6_K"])
 def test_our_kernels_run_inside_a_compiled_graph(kind):
     if load_kernels() is not None:
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
     torch.manual_seed(0)
     if kind == "Q4_K":
-        layer = SuperBlock4Linear(random_q4_k(64, 256), None, torch.float32)
+        layer = SuperBlockLinear(random_q4_k(64, 256), None, torch.float32)
+    elif kind == "Q5_K":
+        layer = SuperBlockLinear(random_q5_k(64, 256), None, torch.float32)
+    elif kind == "Q6_K":
+        layer = SubBlock6Linear(random_q6_k(64, 256), None, torch.float32)
     else:
-        codes = eight_bit_codes(64, 64) if kind == "8" else GroupCodes.fit(torch.randn(64, 64), bits=4)
+        codes = eight_bit_codes(64, 64) if kind == "8" else GroupCodes.fit(torch.randn(64, 64), bits=int(kind))
         layer = codes_layer(int(kind))(codes, None, dtype=torch.float32)
     step = torch.compile(lambda v: torch.relu(layer(v)) * 2, fullgraph=True, dynamic=True)  # rows stay symbolic
     with torch.inference_mode():

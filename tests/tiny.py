@@ -163,25 +163,55 @@ def add_bpe_vocabulary(writer, src: Path) -> None:
 
 
 def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
-    """float32 (rows, in) -> GGUF's Q4_K blocks (rows, in // 256 · 144) uint8, as llama.cpp lays them out (the gguf
-    library reads them but does not write them): per group of 32 the min/max codes, their scales and minimums in
-    6 bits of the super-block's d and dmin."""
+    """float32 (rows, in) -> GGUF's Q4_K blocks (rows, in // 256 · 144) uint8 (`super_blocks`)."""
+    return super_blocks(weight, 4)
+
+
+def quantize_q5_k(weight: np.ndarray) -> np.ndarray:
+    """float32 (rows, in) -> GGUF's Q5_K blocks (rows, in // 256 · 176) uint8 (`super_blocks`)."""
+    return super_blocks(weight, 5)
+
+
+def super_blocks(weight: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K or Q5_K blocks as llama.cpp lays them out (the gguf library reads them but does not write them): per
+    group of 32 the min/max codes, their scales and minimums in 6 bits of the super-block's d and dmin."""
     rows, in_features = weight.shape
+    top = 2**bits - 1
     groups = weight.reshape(rows, in_features // 256, 8, 32).astype(np.float32)
-    low = np.minimum(groups.min(-1), 0)  # (rows, blocks, 8): Q4_K's minimum is −dmin·mn <= 0
-    step = np.maximum((groups.max(-1) - low) / 15, 1e-8)
+    low = np.minimum(groups.min(-1), 0)  # (rows, blocks, 8): the minimum is −dmin·mn <= 0
+    step = np.maximum((groups.max(-1) - low) / top, 1e-8)
     d = np.maximum(step.max(-1) / 63, 1e-6).astype(np.float16)  # (rows, blocks); not 0 in float16
     dmin = np.maximum(-low.min(-1) / 63, 1e-6).astype(np.float16)
     sc = np.clip(np.rint(step / d[..., None].astype(np.float32)), 1, 63).astype(np.uint8)
     mn = np.clip(np.rint(-low / dmin[..., None].astype(np.float32)), 0, 63).astype(np.uint8)
     scale = d[..., None].astype(np.float32) * sc
     minimum = dmin[..., None].astype(np.float32) * mn
-    q = np.clip(np.rint((groups + minimum[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)  # (rows, blocks, 8, 32)
+    q = np.clip(np.rint((groups + minimum[..., None]) / scale[..., None]), 0, top).astype(np.uint8)  # (rows, blocks, 8, 32)
     packed = np.empty((rows, in_features // 256, 12), dtype=np.uint8)  # llama.cpp's get_scale_min_k4, inverted
     packed[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
     packed[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
     packed[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
-    pairs = q.reshape(rows, in_features // 256, 4, 2, 32)  # (.., chunk, sub-block in it, 32): low and high nibbles
+    pairs = (q & 15).reshape(rows, in_features // 256, 4, 2, 32)  # (.., 64 inputs, group in it, 32): low, high nibble
     qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, -1, 128)
-    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
+    parts = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed]
+    if bits == 5:  # byte l of qh: bit g the fifth bit of group g's input l
+        parts.append(((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=2, dtype=np.uint8))
+    return np.concatenate(parts + [qs], axis=-1).reshape(rows, -1)
+
+
+def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
+    """float32 (rows, in) -> GGUF's Q6_K blocks (rows, in // 256 · 210) uint8, as llama.cpp lays them out: per 16
+    inputs a symmetric 6-bit scale in int8 steps of the super-block's d."""
+    rows, in_features = weight.shape
+    subs = weight.reshape(rows, in_features // 256, 16, 16).astype(np.float32)
+    step = np.maximum(np.abs(subs).max(-1) / 31, 1e-8)  # (rows, blocks, 16): q − 32 in [−32, 31]
+    d = np.maximum(step.max(-1) / 127, 1e-6).astype(np.float16)
+    sc = np.clip(np.rint(step / d[..., None].astype(np.float32)), 1, 127).astype(np.int8)
+    scale = d[..., None].astype(np.float32) * sc
+    q = (np.clip(np.rint(subs / scale[..., None]), -32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 4, 32)
+    low, high = q & 15, q >> 4  # (rows, blocks, half, quarter, 32)
+    ql = np.concatenate([low[:, :, :, 0] | (low[:, :, :, 2] << 4), low[:, :, :, 1] | (low[:, :, :, 3] << 4)], axis=-1)
+    qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
+                             d[..., None].view(np.uint8)], axis=-1)
     return blocks.reshape(rows, -1)

@@ -2,8 +2,8 @@
 
 What a GGUF holds and how it maps:
 - tensors, possibly quantized, renamed to Hugging Face names: either dequantized to float32 (exact for
-  every block format), or, for the matrices of a quantized file, kept as codes: Q4_0, Q4_1 and Q8_0 blocks
-  as stored group codes, Q4_K as stored super-block codes, other block types fitted to 4 or 8 bits. Two converter edits are undone, so that
+  every block format), or, for the matrices of a quantized file, kept as codes, as stored: Q4_0, Q4_1, Q5_0,
+  Q5_1 and Q8_0 blocks as group codes, Q4_K and Q5_K as super-block codes, Q6_K as sub-block codes. Two converter edits are undone, so that
   a tensor means what it does in the Hugging Face checkpoint: for `llama`, q/k rows are un-permuted
   (llama.cpp interleaves each head's two RoPE halves; kvserve and transformers use the half-split
   layout); for `gemma3`, the 1 that llama.cpp adds to every norm weight is taken off again;
@@ -15,6 +15,7 @@ What a GGUF holds and how it maps:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -31,7 +32,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, SuperBlockCodes
+from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, SubBlockCodes, SuperBlockCodes
 from weights.gguf_reader import GGUFFormatError, Reader
 from weights.sentencepiece import sentencepiece_tokenizer
 
@@ -78,7 +79,7 @@ class BlockLayout:
     """One GGUF block of 32 weights: a float16 scale (and minimum), then the codes."""
 
     block_bytes: int
-    codes_from: int  # byte offset of the codes in the block
+    codes_from: int  # byte offset of the codes in the block (5-bit: of their fifth bits, a uint32, then the rest)
     bits: int
     offset: int  # a symmetric type's code for zero: w = scale·(q - offset)
 
@@ -86,11 +87,25 @@ class BlockLayout:
 STORED_BLOCKS = {
     GGMLQuantizationType.Q4_0: BlockLayout(block_bytes=18, codes_from=2, bits=4, offset=8),
     GGMLQuantizationType.Q4_1: BlockLayout(block_bytes=20, codes_from=4, bits=4, offset=0),
+    GGMLQuantizationType.Q5_0: BlockLayout(block_bytes=22, codes_from=2, bits=5, offset=16),
+    GGMLQuantizationType.Q5_1: BlockLayout(block_bytes=24, codes_from=4, bits=5, offset=0),
     GGMLQuantizationType.Q8_0: BlockLayout(block_bytes=34, codes_from=2, bits=8, offset=128),
 }
+MINIMUM_TYPES = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1}  # w = d·q + m; the others d·(q − offset)
 
 
-Q4_K_BLOCK_BYTES = 144  # float16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 of 4-bit codes
+# float16 d and dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of fifth bits), 128 of 4-bit codes
+K_QUANT_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176}
+
+
+def q5_k_codes(blocks: np.ndarray) -> SuperBlockCodes:
+    """Q5_K blocks (rows, super-blocks, 176 bytes) as stored: Q4_K's (`q4_k_codes`) with 32 bytes of fifth bits
+    before the codes, bit g of byte l the fifth bit of group g's input l."""
+    rows, count, _ = blocks.shape
+    four = q4_k_codes(np.concatenate([blocks[..., :16], blocks[..., 48:]], axis=-1))
+    fifth = (blocks[..., 16:48][:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (rows, blocks, group, 32)
+    codes = four.codes | torch.from_numpy(np.ascontiguousarray(fifth).reshape(rows, -1)) << 4
+    return dataclasses.replace(four, codes=codes, bits=5, served=("Q5_K as stored",))
 
 
 def q4_k_codes(blocks: np.ndarray) -> SuperBlockCodes:
@@ -107,6 +122,23 @@ def q4_k_codes(blocks: np.ndarray) -> SuperBlockCodes:
     codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, -1)
     torn = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
     return SuperBlockCodes(torn(codes), torn(sc), torn(mn), torn(half(0)), torn(half(2)), ("Q4_K as stored",))
+
+
+Q6_K_BLOCK_BYTES = 210  # 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, float16 d
+
+
+def q6_k_codes(blocks: np.ndarray) -> SubBlockCodes:
+    """Q6_K blocks (rows, super-blocks, 210 bytes) as stored, unpacked: in each half of 128 inputs, ql's first 32
+    bytes hold inputs 0-31 (low nibbles) and 64-95 (high), the next 32 inputs 32-63 and 96-127; qh's byte l holds
+    the high 2 bits of inputs l, l + 32, l + 64 and l + 96 (bits 0-1, 2-3, 4-5, 6-7); q = low | high << 4."""
+    rows, count, _ = blocks.shape
+    ql = blocks[..., :128].reshape(rows, count, 2, 2, 32)  # (rows, blocks, half, first or next 32 bytes, 32)
+    qh = blocks[..., 128:192].reshape(rows, count, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=3)  # (rows, blocks, half, quarter, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+    torn = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
+    return SubBlockCodes(torn(low | high << 4), torn(blocks[..., 192:208].copy().view(np.int8)),
+                         torn(blocks[..., 208:210].copy().view(np.float16)), ("Q6_K as stored",))
 
 
 class GGUFError(ValueError):
@@ -255,22 +287,29 @@ class GGUFFile:
 
     @classmethod
     def group_codes(cls, t) -> QuantizedWeight:
-        """A quantized matrix as kvserve holds it: Q4_0, Q4_1 and Q8_0 as stored group codes, Q4_K as stored
-        super-block codes, other types fitted to group codes (4 or 8 bits)."""
-        if t.tensor_type == GGMLQuantizationType.Q4_K:
-            return q4_k_codes(np.asarray(t.data).reshape(int(t.shape[1]), -1, Q4_K_BLOCK_BYTES))
+        """A quantized matrix as kvserve holds it, as stored: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 as group codes, Q4_K
+        and Q5_K as super-block codes, Q6_K as sub-block codes."""
+        if t.tensor_type in K_QUANT_BLOCK_BYTES:
+            blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1, K_QUANT_BLOCK_BYTES[t.tensor_type])
+            return q4_k_codes(blocks) if t.tensor_type == GGMLQuantizationType.Q4_K else q5_k_codes(blocks)
+        if t.tensor_type == GGMLQuantizationType.Q6_K:
+            return q6_k_codes(np.asarray(t.data).reshape(int(t.shape[1]), -1, Q6_K_BLOCK_BYTES))
         if t.tensor_type not in STORED_BLOCKS:
-            return GroupCodes.fit(cls.dense(t), 8, source=t.tensor_type.name)  # Q5_0, Q5_1, Q5_K, Q6_K
+            return GroupCodes.fit(cls.dense(t), 8, source=t.tensor_type.name)  # a block type with no layout here
         layout = STORED_BLOCKS[t.tensor_type]
         rows = int(t.shape[1])
         blocks = np.asarray(t.data).reshape(rows, -1, layout.block_bytes)  # (out, groups, bytes per block)
         scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, groups)
         stored = blocks[..., layout.codes_from:]
-        if layout.bits == 4:  # byte j holds code j in its low nibble and code j + 16 in its high one
-            q = np.concatenate([stored & 15, stored >> 4], axis=-1)  # (out, groups, 32)
-        else:  # int8 codes, shifted to unsigned
+        if layout.bits == 8:  # int8 codes, shifted to unsigned
             q = (stored.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        if t.tensor_type == GGMLQuantizationType.Q4_1:
+        else:  # byte j holds code j in its low nibble and code j + 16 in its high one; 5-bit: bit j of qh is code j's fifth
+            nibbles = stored[..., 4:] if layout.bits == 5 else stored
+            q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # (out, groups, 32)
+            if layout.bits == 5:
+                fifth = (stored[..., 0:4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+                q |= fifth.astype(np.uint8) << 4
+        if t.tensor_type in MINIMUM_TYPES:
             minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         else:  # symmetric: w = d·(q - offset)
             minimum = -layout.offset * scale

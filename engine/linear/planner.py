@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, SuperBlockCodes
+from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, SubBlockCodes, SuperBlockCodes
 from engine.linear.dense import WEIGHT_LEFT_MIN_ELEMENTS, CpuLinear, PackedLinear, packs_bfloat16
-from engine.linear.quantized import Codes4Linear, Codes8Linear, GroupLinear, Int8Linear, SuperBlock4Linear, WeightOnlyLinear
+from engine.linear.quantized import (Codes4Linear, Codes5Linear, Codes8Linear, GroupLinear, Int8Linear, SubBlock6Linear,
+                                    SuperBlockLinear, WeightOnlyLinear)
 from engine.linear.timing import ProductForms, Timings, measure_forms, measure_switch
 from engine.linear.two_forms import TwoForms, dense_weight
 
@@ -113,8 +114,8 @@ class Planner:
                 return self._with_dense_form(codes, role, f"int8 rows quantized at load ({why})", ())
             codes, how = self._codes_layer(GroupCodes.fit(weight, 4), convert(bias), role.head)
             return self._with_dense_form(codes, role, f"int4 groups quantized at load (quantize=int4): {how}", ())
-        if isinstance(weight, SuperBlockCodes) and self.machine.kernels_off is not None:
-            weight = weight.group_codes()  # torch's kernel takes groups: d·sc and dmin·mn per group
+        if isinstance(weight, (SuperBlockCodes, SubBlockCodes)) and self.machine.kernels_off is not None:
+            weight = weight.group_codes()  # torch's kernel takes groups
         if isinstance(weight, QUANTIZED):
             codes, how = self._codes_layer(weight, convert(bias), role.head)
             return self._with_dense_form(codes, role, f"{'; '.join(weight.served)}: {how}", weight.served)
@@ -124,10 +125,12 @@ class Planner:
     def _codes_layer(self, weight: QuantizedWeight, bias: torch.Tensor | None, head: bool) -> tuple[WeightOnlyLinear, str]:
         output = torch.float32 if head else torch.bfloat16  # logits are float32
         if isinstance(weight, SuperBlockCodes):
-            return SuperBlock4Linear(weight, bias, output), "kvserve's Q4_K kernel (dot products at every row count)"
+            return SuperBlockLinear(weight, bias, output), f"kvserve's Q{weight.bits}_K kernel (dot products at every row count)"
+        if isinstance(weight, SubBlockCodes):
+            return SubBlock6Linear(weight, bias, output), "kvserve's Q6_K kernel (dot products at every row count)"
         kind = codes_layer_class(weight.bits, self.machine)
         if kind is GroupLinear:
-            halves = " (8 bits as two 4-bit halves)" if weight.bits == 8 else ""
+            halves = f" ({weight.bits} bits as two 4-bit halves)" if weight.bits > 4 else ""
             return GroupLinear(weight, bias), f"torch's int4 kernel{halves} (kvserve's kernels are off here: {self.machine.kernels_off})"
         forms = self.forms
         return kind(weight, bias, output, forms), f"kvserve's {weight.bits}-bit kernel ({forms.described()})"
@@ -183,7 +186,7 @@ class Planner:
 def codes_layer_class(bits: int, machine: Machine) -> type[WeightOnlyLinear]:
     """The layer that serves group codes of `bits` there: kvserve's kernels where they run, else torch's."""
     if machine.kernels_off is None:
-        return Codes8Linear if bits == 8 else Codes4Linear
+        return {4: Codes4Linear, 5: Codes5Linear, 8: Codes8Linear}[bits]
     return GroupLinear
 
 
@@ -224,11 +227,13 @@ def summary(decisions: list[Decision]) -> list[dict]:
             for (pattern, kind, reason), names in grouped.items()]
 
 
-def served_by_type(decisions: list[Decision]) -> dict[str, str]:
-    """How each GGUF type among the weights is served: {"Q4_0": "as stored", "Q6_K": "fitted to 8-bit groups at load"}."""
-    out: dict[str, str] = {}
+def served_by_type(decisions: list[Decision]) -> dict[str, dict[str, int]]:
+    """How the matrices of each GGUF type are served, with their counts: {"Q4_K": {"as stored": 96}, "Q6_K":
+    {"as stored": 9, "fitted to 8-bit groups at load": 8}} (a fused layer counts once for each source in it)."""
+    out: dict[str, dict[str, int]] = {}
     for d in decisions:
         for served in d.served:
             kind, _, how = served.partition(" ")
-            out.setdefault(kind, how)
+            out.setdefault(kind, {}).setdefault(how, 0)
+            out[kind][how] += 1
     return out

@@ -1,15 +1,17 @@
 """Linear layers over quantized weights (weight-only: activations stay in bfloat16), for CPU decode.
 
-Three layouts:
+Four layouts:
 - groups (`GroupCodes`): each group of 32 inputs of an output row keeps unsigned codes, one scale and one
-  minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks, 8-bit codes Q8_0's
-  (shifted by 128). kvserve's own kernels (engine/linear/native) run them where they build, as integer dot products
-  with the inputs quantized to 8 bits per group, as llama.cpp computes them (`Codes4Linear`,
-  `Codes8Linear`). Elsewhere torch's int4 kernel runs both (`GroupLinear`): an 8-bit code is two 4-bit
+  minimum: w = scale·q + minimum. 4-bit codes are GGUF's Q4_0 and Q4_1 blocks, 5-bit codes Q5_0's and Q5_1's,
+  8-bit codes Q8_0's (shifted by 128). kvserve's own kernels (engine/linear/native) run them where they build, as
+  integer dot products with the inputs quantized to 8 bits per group, as llama.cpp computes them (`Codes4Linear`,
+  `Codes5Linear`, `Codes8Linear`). Elsewhere torch's int4 kernel runs both (`GroupLinear`): an 8-bit code is two 4-bit
   halves, 16·high + low, served as two stacked output rows and summed.
-- super-blocks (`SuperBlockCodes`): GGUF's Q4_K as stored, 256 inputs with a float16 scale and minimum scale,
-  each group of 32 in them a 6-bit scale and minimum of those: `SuperBlock4Linear` on kvserve's kernel, each
-  group multiplied as a 4-bit group of scale d·sc and minimum −dmin·mn.
+- super-blocks (`SuperBlockCodes`): GGUF's Q4_K and Q5_K as stored, 256 inputs with a float16 scale and minimum
+  scale, each group of 32 in them a 6-bit scale and minimum of those: `SuperBlockLinear` on kvserve's kernel, each
+  group multiplied as a group of scale d·sc and minimum −dmin·mn.
+- sub-blocks (`SubBlockCodes`): GGUF's Q6_K as stored, 6-bit codes with an int8 scale per 16 inputs and a float16
+  one per 256: `SubBlock6Linear` on kvserve's kernel.
 - rows (`Int8Linear`): each output row keeps 8-bit codes in [-127, 127] and one scale (int8pack).
 
 Which of them serves a given matrix is the planner's decision (engine/linear/planner.py).
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.linear.codes import GROUP_SIZE, GroupCodes, SuperBlockCodes
+from engine.linear.codes import GROUP_SIZE, GroupCodes, SubBlockCodes, SuperBlockCodes
 from engine.linear.timing import ProductForms
 
 
@@ -129,6 +131,23 @@ class Codes4Linear(GroupTiles):
         return (q[..., 0] | q[..., 1] << 4).contiguous()
 
 
+class Codes5Linear(GroupTiles):
+    """5-bit codes (Q5_0, Q5_1): Codes4Linear's products with the codes centred on 16, the low 4 bits packed as
+    Codes4Linear packs them and the fifth bits after them (engine/linear/native/codes5_product.cpp)."""
+
+    bits = 5
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        tiles, rows, groups, _ = codes.shape
+        low = Codes4Linear.pack(codes & 15).reshape(tiles, groups, 256)
+        fifth = (codes >> 4).view(tiles, rows, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # as Codes4Linear's bytes
+        pairs = (fifth[..., 0] | fifth[..., 1] << 1).reshape(tiles, groups, 4, 4, 16)  # run byte 16t + c: (t, c)
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)  # byte c holds run byte 16t + c at bits 2t, 2t+1
+        plane = (pairs << shifts).sum(3, dtype=torch.uint8)  # (tile, group, run, 16): disjoint bits, so sum = or
+        return torch.cat([low, plane.reshape(tiles, groups, 64)], dim=-1).contiguous()
+
+
 class Codes8Linear(GroupTiles):
     """8-bit codes (Q8_0): integer dot products with the inputs quantized to 8 bits per group, the codes centred
     on 128 (engine/linear/native/codes8_product.cpp)."""
@@ -142,11 +161,11 @@ class Codes8Linear(GroupTiles):
         return q.permute(0, 2, 3, 1, 4).contiguous()  # (tile, group, run, row, input): the kernel's byte order
 
 
-class SuperBlock4Linear(WeightOnlyLinear):
-    """GGUF's Q4_K as stored, through kvserve's kernel (engine/linear/native/superblock4_product.cpp): the codes
-    packed as Codes4Linear packs them, in tiles of 16 output rows, beside each tile's 6-bit group scales and
-    minimums (a byte each) and its super-blocks' float16 d and dmin. Each group is then a 4-bit group of scale
-    d·sc and minimum −dmin·mn, multiplied as Codes4Linear multiplies one."""
+class SuperBlockLinear(WeightOnlyLinear):
+    """GGUF's Q4_K and Q5_K as stored, through kvserve's kernel (engine/linear/native/superblock_product.cpp): the
+    codes packed as Codes4Linear or Codes5Linear packs them, in tiles of 16 output rows, beside each tile's 6-bit group
+    scales and minimums (a byte each) and its super-blocks' float16 d and dmin. Each group is then a group of scale
+    d·sc and minimum −dmin·mn, multiplied as Codes4Linear and Codes5Linear multiply one."""
 
     TILE = 16
 
@@ -156,7 +175,9 @@ class SuperBlock4Linear(WeightOnlyLinear):
         tiled = lambda t: tiles_of(t, self.TILE)  # (tile, column, row)
         codes = F.pad(weight.codes, (0, 0, 0, -self.out_features % self.TILE))
         tiles, groups = codes.shape[0] // self.TILE, self.in_features // GROUP_SIZE
-        self.register_buffer("packed", Codes4Linear.pack(codes.view(tiles, self.TILE, groups, GROUP_SIZE)).reshape(tiles, -1))
+        packing = Codes5Linear if weight.bits == 5 else Codes4Linear
+        self.register_buffer("packed", packing.pack(codes.view(tiles, self.TILE, groups, GROUP_SIZE)).reshape(tiles, -1))
+        self.bits = weight.bits
         self.register_buffer("group_scale", tiled(weight.group_scale))
         self.register_buffer("group_minimum", tiled(weight.group_minimum))
         self.register_buffer("scale", tiled(weight.scale))
@@ -165,8 +186,39 @@ class SuperBlock4Linear(WeightOnlyLinear):
         self.activation_dtype = dtype
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.kvserve.superblock4_product(rows.contiguous(), self.packed, self.group_scale, self.group_minimum,
-                                                  self.scale, self.minimum_scale, self.out_features)
+        kernel = getattr(torch.ops.kvserve, f"superblock{self.bits}_product")
+        y = kernel(rows.contiguous(), self.packed, self.group_scale, self.group_minimum, self.scale, self.minimum_scale,
+                   self.out_features)
+        return y.to(self.activation_dtype)
+
+
+class SubBlock6Linear(WeightOnlyLinear):
+    """GGUF's Q6_K as stored, through kvserve's kernel (engine/linear/native/subblock6_product.cpp): in tiles of 16
+    output rows, each group's low 4 bits of the codes packed as Codes4Linear packs codes, then their high 2 bits; each
+    tile's int8 sub-block scales and its super-blocks' float16 d beside them. 6.56 bits per weight, as the file."""
+
+    TILE = 16
+
+    def __init__(self, weight: SubBlockCodes, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        codes = F.pad(weight.codes, (0, 0, 0, -self.out_features % self.TILE))
+        tiles, groups = codes.shape[0] // self.TILE, self.in_features // GROUP_SIZE
+        codes = codes.view(tiles, self.TILE, groups, GROUP_SIZE)
+        low = Codes4Linear.pack(codes & 15).view(tiles, groups, 4 * 64)
+        high = (codes >> 4).view(tiles, self.TILE, groups, 4, 2, 4)  # (tile, row, group, run k, nibble, input)
+        high = high.permute(0, 2, 3, 1, 5, 4)  # (tile, group, run, row, input, nibble): a run's byte order
+        high = (high[..., 0] | high[..., 1] << 2).reshape(tiles, groups, 4, 64)  # a run byte's 4 high bits
+        high = high[..., :32] | high[..., 32:] << 4  # (tile, group, run, 32): bytes b and b + 32 of the run
+        self.register_buffer("packed", torch.cat([low, high.reshape(tiles, groups, 128)], dim=-1).reshape(tiles, -1))
+        self.register_buffer("scale", tiles_of(weight.scale, self.TILE))  # (tile, group · 2, row)
+        self.register_buffer("block_scale", tiles_of(weight.block_scale, self.TILE))  # (tile, block, row)
+        self.bias = bias
+        self.activation_dtype = dtype
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.kvserve.subblock6_product(rows.contiguous(), self.packed, self.scale, self.block_scale,
+                                                self.out_features)
         return y.to(self.activation_dtype)
 
 

@@ -30,15 +30,18 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;  // output rows per tile
 constexpr int kRowsPerPass = 4;
 
-// The input rows, group by group: 8-bit codes x̂, their scale d, the exact sum Σ x, and c·Σ x̂.
+// The input rows, group by group: 8-bit codes x̂, their scale d, the exact sum Σ x, c·Σ x̂, and Σ x̂ of each half
+// (16 inputs: Q6_K's sub-blocks).
 struct QuantizedRows {
   std::vector<int8_t> codes;  // (m, in)
   std::vector<float> scale, sum;  // (m, groups)
   std::vector<int32_t> centred_sum;  // (m, groups)
+  std::vector<int32_t> half_sum;  // (m, groups, 2)
 
   // rows: (m, in) float32 or bfloat16, contiguous.
   QuantizedRows(const at::Tensor& rows, int32_t centre)
-      : codes(rows.numel()), scale(rows.numel() / kGroup), sum(rows.numel() / kGroup), centred_sum(rows.numel() / kGroup) {
+      : codes(rows.numel()), scale(rows.numel() / kGroup), sum(rows.numel() / kGroup), centred_sum(rows.numel() / kGroup),
+        half_sum(2 * rows.numel() / kGroup) {
     if (rows.scalar_type() == at::kBFloat16) quantize(rows.data_ptr<at::BFloat16>(), centre);
     else quantize(rows.data_ptr<float>(), centre);
   }
@@ -51,13 +54,14 @@ struct QuantizedRows {
       float largest = 0, total = 0;
       for (int64_t j = 0; j < kGroup; ++j) largest = std::max(largest, std::fabs(v[j])), total += v[j];
       const float inverse = largest > 0 ? 127.f / largest : 0.f;
-      int32_t code_total = 0;
+      int32_t halves[2] = {0, 0};
       for (int64_t j = 0; j < kGroup; ++j) {
         const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
         codes[i * kGroup + j] = q;
-        code_total += q;
+        halves[j >= kGroup / 2] += q;
       }
-      scale[i] = largest / 127.f, sum[i] = total, centred_sum[i] = centre * code_total;
+      scale[i] = largest / 127.f, sum[i] = total, centred_sum[i] = centre * (halves[0] + halves[1]);
+      half_sum[2 * i] = halves[0], half_sum[2 * i + 1] = halves[1];
     }
   }
 };
@@ -222,6 +226,42 @@ struct Codes4Tile {
       const Operand run = _mm256_loadu_si256(reinterpret_cast<const Operand*>(bytes + 64 * k + 32 * part));
       w[2 * k] = _mm256_and_si256(run, low_nibbles);
       w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(run, 4), low_nibbles);
+    }
+#endif
+  }
+};
+
+// 5-bit codes (Q5_0, Q5_1, and Q5_K's: codes5_product.cpp, superblock5_product.cpp), centred on 16: the low 4 bits
+// as Codes4Tile packs them (256 bytes per tile and group), then the fifth bits, 16 bytes per run of 64: byte c of
+// run k holds in bits 2t and 2t + 1 the fifth bits of run byte c + 16t (its low nibble's input, its high one's).
+struct Codes5Tile {
+  static constexpr int64_t kTileGroupBytes = kTile * kGroup / 2 + kTile * kGroup / 8;
+  static constexpr int32_t kCentre = 16;
+
+  static void operands(const uint8_t* bytes, int part, Operand (&w)[8]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const Operand nibble = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01), two = _mm512_set1_epi8(0x02);
+    const Operand shifts = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);  // 16-byte lane t: 2t
+    for (int k = 0; k < 4; ++k) {
+      const Operand run = _mm512_loadu_si512(bytes + 64 * k);
+      const Operand fifth = _mm512_srlv_epi32(
+          _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 256 + 16 * k))), shifts);
+      w[2 * k] = _mm512_or_si512(_mm512_and_si512(run, nibble), _mm512_slli_epi16(_mm512_and_si512(fifth, one), 4));
+      w[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(run, 4), nibble),
+                                     _mm512_slli_epi16(_mm512_and_si512(fifth, two), 3));
+    }
+#else
+    const Operand nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01), two = _mm256_set1_epi8(0x02);
+    // part p holds run bytes 32p..32p+31: 16-byte lanes t = 2p and 2p + 1
+    const Operand shifts = _mm256_set_epi32(4 * part + 2, 4 * part + 2, 4 * part + 2, 4 * part + 2,
+                                            4 * part, 4 * part, 4 * part, 4 * part);
+    for (int k = 0; k < 4; ++k) {
+      const Operand run = _mm256_loadu_si256(reinterpret_cast<const Operand*>(bytes + 64 * k + 32 * part));
+      const Operand fifth = _mm256_srlv_epi32(
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 256 + 16 * k))), shifts);
+      w[2 * k] = _mm256_or_si256(_mm256_and_si256(run, nibble), _mm256_slli_epi16(_mm256_and_si256(fifth, one), 4));
+      w[2 * k + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(run, 4), nibble),
+                                     _mm256_slli_epi16(_mm256_and_si256(fifth, two), 3));
     }
 #endif
   }

@@ -1,0 +1,136 @@
+"""kvserve and llama.cpp on the same GGUF files, side by side in one run: batch-1 and many-stream decode over HTTP,
+llama-bench's tg, resident memory, and the read-bandwidth floor.
+
+For each file: kvserve's server and llama-server (`-np N`) one after the other, each given the same streamed load
+(`/v1/completions`, greedy, `ignore_eos`); llama-bench's tg on the same file and threads; the machine's read rate
+as torch reads a large tensor, from which a token's floor is the file's bytes over that rate (every matrix is read
+once per step; a tied embedding is the LM head). Resident memory is each server's VmRSS once warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench.common import machine, machine_line, markdown_table, write_results
+from bench.families import llama_server, one_stream
+from bench.serve import level, local_server
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gguf", type=Path, nargs="+", required=True, help="GGUF files to serve")
+    parser.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-server and llama-bench")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4], help="concurrent streams (1 first)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="on")
+
+
+def read_rate() -> float:
+    """Bytes per second at which torch sums a 512 MiB float32 tensor (the best of five)."""
+    data = torch.ones(128 << 20)
+    data.sum()
+    best = min(timed_once(data.sum) for _ in range(5))
+    return data.numel() * data.element_size() / best
+
+
+def timed_once(call) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def many_streams(url: str, streams: int, new_tokens: int) -> float:
+    """Tokens per second over 2·streams requests, `streams` at a time."""
+    results, seconds = asyncio.run(level(url, streams, 2 * streams, PROMPT, new_tokens))
+    return sum(len(r["gaps"]) + 1 for r in results if "error" not in r) / seconds
+
+
+def load(url: str, args: argparse.Namespace) -> dict:
+    result = {"one": one_stream(url, PROMPT, args.new_tokens, args.repeats)}
+    for streams in args.streams[1:]:
+        result[f"{streams} streams"] = many_streams(url, streams, args.new_tokens)
+    return result
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int, new_tokens: int) -> float:
+    """llama-bench's tg`new_tokens`: tokens per second."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
+    started: list = []
+    server = argparse.Namespace(dtype="auto", max_batch_size=max(args.streams), compile=args.compile, model=str(gguf),
+                                quantize="auto", dense_copies="off")
+    began = time.perf_counter()
+    with local_server(server, ["--prefix-caching", "off"], started) as url:
+        ready = time.perf_counter() - began
+        info = httpx.get(f"{url}/info").json()
+        ours = load(url, args) | {"rss": resident_bytes(started[0].pid), "ready_s": ready,
+                                  "weights_served": info["weights_served"], "weights_bytes": info["weights_bytes"]}
+    result = {"file_bytes": gguf.stat().st_size, "kvserve": ours}
+    if args.llama_bin:
+        server_binary = args.llama_bin / "llama-server"
+        theirs: list = []
+        with llama_server(server_binary, gguf, threads, slots=max(args.streams), started=theirs) as url:
+            result["llama-server"] = load(url, args) | {"rss": resident_bytes(theirs[0].pid)}
+        result["llama-bench tg"] = llama_bench(args.llama_bin / "llama-bench", gguf, threads, args.new_tokens)
+    return result
+
+
+def rendered(payload: dict) -> str:
+    rate = payload["read_rate"]
+    rows = []
+    for name, result in payload["files"].items():
+        floor_s = result["file_bytes"] / rate
+        for server in ("kvserve", "llama-server"):
+            if server not in result:
+                continue
+            r = result[server]
+            one = r["one"]
+            per_token = 1 / one["tokens_per_s"]
+            many = ", ".join(f"{k}: {v:.1f}" for k, v in r.items() if k.endswith("streams"))
+            rows.append([name, server, f"{one['tokens_per_s']:.1f} ({one['inter_token_s'] * 1e3:.1f} ms)",
+                         f"{100 * floor_s / per_token:.0f}%", many, f"{r['rss'] / 1e9:.2f} GB"])
+        if "llama-bench tg" in result:
+            tg = result["llama-bench tg"]
+            rows.append([name, "llama-bench tg", f"{tg:.1f}", f"{100 * floor_s * tg:.0f}%", "", ""])
+    table = markdown_table(["file", "server", "1 stream tok/s (inter-token)", "of the read floor",
+                            "many streams tok/s", "resident"], rows)
+    served = {name: r["kvserve"]["weights_served"] for name, r in payload["files"].items()}
+    return (f"{machine_line(payload['machine'])}; read rate {rate / 1e9:.1f} GB/s, {payload['threads']} threads\n\n"
+            f"{table}\n\nkvserve serves: {json.dumps(served)}\n")
+
+
+def run(args: argparse.Namespace) -> dict:
+    threads = args.threads or torch.get_num_threads()
+    env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        files = {gguf.name: measure(gguf, args, threads) for gguf in args.gguf}
+    finally:
+        os.environ.pop("OMP_NUM_THREADS") if env is None else os.environ.update(OMP_NUM_THREADS=env)
+    payload = {"machine": machine(), "threads": threads, "read_rate": read_rate(), "files": files}
+    table = rendered(payload)
+    write_results(args.out, "quants", payload, table)
+    print(table)
+    return payload
