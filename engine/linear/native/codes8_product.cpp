@@ -21,6 +21,7 @@ namespace {
 struct Codes8Tile {
   static constexpr int64_t kTileGroupBytes = kTile * kGroup;
   static constexpr int32_t kCentre = 128;
+  static constexpr int kInt16Terms = 0;  // 2·255·127 saturates int16: group_dot takes signs instead
 
   static void operands(const uint8_t* bytes, int part, Operand (&w)[8]) {
     for (int k = 0; k < 8; ++k)

@@ -157,6 +157,31 @@ inline __m256i dot_centred(__m256i acc, __m256i q, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// Σ (q − centre)·x̂ over a group, for each of 8 rows: codes of up to 6 bits meet x̂ unsigned (vpmaddubsw: a pair's
+// sum is at most 2·63·127) and Codes::kInt16Terms such pairs add up in int16 before one vpmaddwd widens them, then
+// centre·Σ x̂ (centred_sum) comes off; 8-bit codes take dot_centred's signs instead (2·255·127 would saturate).
+template <typename Codes>
+inline __m256i group_dot(const __m256i (&w)[8], const int8_t* codes, int32_t centred_sum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i total = _mm256_setzero_si256();
+  if constexpr (Codes::kInt16Terms > 0) {
+    for (int k0 = 0; k0 < 8; k0 += Codes::kInt16Terms) {
+      __m256i pairs = _mm256_maddubs_epi16(w[k0], _mm256_set1_epi32(four_codes(codes + 4 * k0)));
+      for (int k = k0 + 1; k < k0 + Codes::kInt16Terms; ++k)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(four_codes(codes + 4 * k))));
+      total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs, ones));
+    }
+    return _mm256_sub_epi32(total, _mm256_set1_epi32(centred_sum));
+  } else {
+    __m256i odd = _mm256_setzero_si256();  // two chains: half the latency
+    for (int k = 0; k < 8; k += 2) {
+      total = dot_centred<Codes::kCentre>(total, w[k], _mm256_set1_epi32(four_codes(codes + 4 * k)));
+      odd = dot_centred<Codes::kCentre>(odd, w[k + 1], _mm256_set1_epi32(four_codes(codes + 4 * k + 4)));
+    }
+    return _mm256_add_epi32(total, odd);  // centred already, byte by byte
+  }
+}
+
 inline void load(const HalfScales& scales, int64_t g, int part, __m256& s, __m256& m) {
   const int64_t lanes = g * kTile + 8 * part;
   s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales.scale + lanes)));
@@ -190,12 +215,7 @@ void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (row + r) * groups + g;
         const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
-        __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-        for (int k = 0; k < 8; k += 2) {
-          even = dot_centred<Codes::kCentre>(even, w[k], _mm256_set1_epi32(four_codes(codes + 4 * k)));
-          odd = dot_centred<Codes::kCentre>(odd, w[k + 1], _mm256_set1_epi32(four_codes(codes + 4 * k + 4)));
-        }
-        const __m256i centred = _mm256_add_epi32(even, odd);  // centred already, byte by byte
+        const __m256i centred = group_dot<Codes>(w, codes, x.centred_sum[rg]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(x.scale[rg])), acc[r]);
         acc[r] = _mm256_fmadd_ps(rest, _mm256_set1_ps(x.sum[rg]), acc[r]);
       }
@@ -210,6 +230,7 @@ void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const
 struct Codes4Tile {
   static constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;
   static constexpr int32_t kCentre = 8;
+  static constexpr int kInt16Terms = 8;  // 8 · 2·15·127 < 2^15
 
   // Run k's low nibbles are inputs 8k..8k+3, its high ones 8k+4..8k+7: operands 2k and 2k + 1.
   static void operands(const uint8_t* bytes, int part, Operand (&w)[8]) {
@@ -237,6 +258,7 @@ struct Codes4Tile {
 struct Codes5Tile {
   static constexpr int64_t kTileGroupBytes = kTile * kGroup / 2 + kTile * kGroup / 8;
   static constexpr int32_t kCentre = 16;
+  static constexpr int kInt16Terms = 4;  // 4 · 2·31·127 < 2^15
 
   static void operands(const uint8_t* bytes, int part, Operand (&w)[8]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

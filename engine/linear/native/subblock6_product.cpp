@@ -93,13 +93,13 @@ void run_tile6(const uint8_t* packed, const int8_t* scale, const at::Half* d, in
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (row + r) * groups + g;
         const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
-        __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
-        for (int k = 0; k < 4; ++k) {  // unsigned codes · signed inputs, pairs summed in int16, then in int32
-          low = _mm256_add_epi32(low, _mm256_madd_epi16(_mm256_maddubs_epi16(
-              w[k], _mm256_set1_epi32(four_codes(codes + 4 * k))), _mm256_set1_epi16(1)));
-          high = _mm256_add_epi32(high, _mm256_madd_epi16(_mm256_maddubs_epi16(
-              w[k + 4], _mm256_set1_epi32(four_codes(codes + 16 + 4 * k))), _mm256_set1_epi16(1)));
-        }
+        // unsigned codes · signed inputs: two vpmaddubsw pairs add up in int16 (2 · 2·63·127 < 2^15), then in int32
+        const auto dots = [&](int k) {
+          return _mm256_madd_epi16(_mm256_add_epi16(
+              _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(four_codes(codes + 4 * k))),
+              _mm256_maddubs_epi16(w[k + 1], _mm256_set1_epi32(four_codes(codes + 4 * k + 4)))), _mm256_set1_epi16(1));
+        };
+        __m256i low = _mm256_add_epi32(dots(0), dots(2)), high = _mm256_add_epi32(dots(4), dots(6));
         low = _mm256_sub_epi32(low, _mm256_set1_epi32(Codes6Tile::kCentre * x.half_sum[2 * rg]));
         high = _mm256_sub_epi32(high, _mm256_set1_epi32(Codes6Tile::kCentre * x.half_sum[2 * rg + 1]));
         const __m256i total = _mm256_add_epi32(_mm256_mullo_epi32(low, sc0), _mm256_mullo_epi32(high, sc1));
