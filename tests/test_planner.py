@@ -284,3 +284,12 @@ def test_the_server_takes_dense_copies_counts_their_bytes_and_reports_its_plan(m
             assert all(entry["count"] == 2 for name, entry in plan.items() if name != "lm_head")
             assert info["weights_served"] == {}  # float weights quantized on request: no GGUF types
     assert copied["off"] == 0 and sizes["on"] - sizes["off"] == copied["on"]
+
+
+def test_loading_hands_the_heap_it_freed_back_to_the_system():
+    """glibc keeps what loading's temporaries freed (about the model's size again) unless asked to give it back."""
+    import platform
+
+    from weights.loading import release_freed_memory
+
+    assert release_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
