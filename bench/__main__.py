@@ -140,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
 
     quants = command("quants", help="kvserve vs llama.cpp on the same GGUF files: 1 and N streams over HTTP, llama-bench tg, "
                                      "resident memory, the read-bandwidth floor")
-    from bench.quants import add_arguments
-
-    add_arguments(quants)
+    quants.add_argument("--gguf", type=Path, nargs="+", required=True, help="GGUF files to serve")
+    quants.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-server and llama-bench")
+    quants.add_argument("--streams", type=int, nargs="+", default=[1, 4], help="concurrent streams (1 first)")
+    quants.add_argument("--new-tokens", type=int, default=64)
+    quants.add_argument("--repeats", type=int, default=3)
+    quants.add_argument("--compile", choices=("auto", "on", "off"), default="on")
 
     args = parser.parse_args(argv)
     if args.threads:

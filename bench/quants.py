@@ -27,15 +27,6 @@ from bench.serve import level, local_server
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gguf", type=Path, nargs="+", required=True, help="GGUF files to serve")
-    parser.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-server and llama-bench")
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4], help="concurrent streams (1 first)")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default="on")
-
-
 def read_rate() -> float:
     """Bytes per second at which torch sums a 512 MiB float32 tensor (the best of five)."""
     data = torch.ones(128 << 20)
