@@ -30,18 +30,15 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;  // output rows per tile
 constexpr int kRowsPerPass = 4;
 
-// The input rows, group by group: 8-bit codes x̂, their scale d, the exact sum Σ x, c·Σ x̂, and Σ x̂ of each half
-// (16 inputs: Q6_K's sub-blocks).
+// The input rows, group by group: 8-bit codes x̂, their scale d, the exact sum Σ x and c·Σ x̂.
 struct QuantizedRows {
   std::vector<int8_t> codes;  // (m, in)
   std::vector<float> scale, sum;  // (m, groups)
   std::vector<int32_t> centred_sum;  // (m, groups)
-  std::vector<int32_t> half_sum;  // (m, groups, 2)
 
   // rows: (m, in) float32 or bfloat16, contiguous.
   QuantizedRows(const at::Tensor& rows, int32_t centre)
-      : codes(rows.numel()), scale(rows.numel() / kGroup), sum(rows.numel() / kGroup), centred_sum(rows.numel() / kGroup),
-        half_sum(2 * rows.numel() / kGroup) {
+      : codes(rows.numel()), scale(rows.numel() / kGroup), sum(rows.numel() / kGroup), centred_sum(rows.numel() / kGroup) {
     if (rows.scalar_type() == at::kBFloat16) quantize(rows.data_ptr<at::BFloat16>(), centre);
     else quantize(rows.data_ptr<float>(), centre);
   }
@@ -54,17 +51,25 @@ struct QuantizedRows {
       float largest = 0, total = 0;
       for (int64_t j = 0; j < kGroup; ++j) largest = std::max(largest, std::fabs(v[j])), total += v[j];
       const float inverse = largest > 0 ? 127.f / largest : 0.f;
-      int32_t halves[2] = {0, 0};
+      int32_t code_sum = 0;
       for (int64_t j = 0; j < kGroup; ++j) {
         const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
         codes[i * kGroup + j] = q;
-        halves[j >= kGroup / 2] += q;
+        code_sum += q;
       }
-      scale[i] = largest / 127.f, sum[i] = total, centred_sum[i] = centre * (halves[0] + halves[1]);
-      half_sum[2 * i] = halves[0], half_sum[2 * i + 1] = halves[1];
+      scale[i] = largest / 127.f, sum[i] = total, centred_sum[i] = centre * code_sum;
     }
   }
 };
+
+// How far ahead of the codes being multiplied the K-quant products (super_block.h) fetch their lines into cache: the
+// hardware's prefetch alone leaves one thread's stream of codes short of the machine's read rate.
+constexpr int64_t kPrefetchBytes = 16 * 1024;
+
+// The cache lines of [p, p + bytes), fetched ahead of their use (prefetches past the end of a buffer fault nothing).
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
 
 inline int32_t four_codes(const int8_t* p) {  // 4 input codes as one broadcastable dword
   int32_t v;
@@ -72,24 +77,12 @@ inline int32_t four_codes(const int8_t* p) {  // 4 input codes as one broadcasta
   return v;
 }
 
-// Where a tile's scale s and minimum m per (group, output row) come from (w = s·q + m):
-// - HalfScales: float16, as Q4_0, Q4_1 and Q8_0 store them, (groups, 16) per tile;
-// - SuperBlockScales: Q4_K's, s = d·sc and m = −dmin·mn, with 6-bit sc and mn per group, (groups, 16) per tile,
-//   and float16 d and dmin per super-block of 8 groups, (groups / 8, 16) per tile.
-// load(scales, g, part, s, m) gives group g's for the tile's rows in register `part` (16 rows: all of them in one
+// A tile's scale s and minimum m per (group, output row), float16 as Q4_0, Q4_1 and Q8_0 store them, (groups, 16) per
+// tile. load(scales, g, part, s, m) gives group g's for the tile's rows in register `part` (16 rows: all of them in one
 // AVX-512 register; two parts of 8 with AVX2).
-constexpr int64_t kSuperBlockGroups = 8;
-
 struct HalfScales {
   const at::Half* scale;
   const at::Half* minimum;
-};
-
-struct SuperBlockScales {
-  const uint8_t* group_scale;
-  const uint8_t* group_minimum;
-  const at::Half* scale;
-  const at::Half* minimum_scale;
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -102,18 +95,6 @@ constexpr int kParts = 1;  // registers per tile
 inline void load(const HalfScales& scales, int64_t g, int, __m512& s, __m512& m) {
   s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales.scale + g * kTile)));
   m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales.minimum + g * kTile)));
-}
-
-inline void load(const SuperBlockScales& scales, int64_t g, int, __m512& s, __m512& m) {
-  const int64_t block = g / kSuperBlockGroups * kTile;
-  const auto bytes = [&](const uint8_t* p) {  // 16 unsigned bytes -> float32
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g * kTile))));
-  };
-  const auto halves = [&](const at::Half* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + block)));
-  };
-  s = _mm512_mul_ps(halves(scales.scale), bytes(scales.group_scale));
-  m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(halves(scales.minimum_scale), bytes(scales.group_minimum)));
 }
 
 template <typename Codes, int R, typename Scales>
@@ -157,23 +138,30 @@ inline __m256i dot_centred(__m256i acc, __m256i q, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// Σ_k (Σ of Codes::kInt16Terms pairs q·x̂ in int16)·weight over a group, in int32, for each of 8 rows: codes of up to 6
+// bits meet x̂ unsigned (vpmaddubsw: a pair's sum is at most 2·63·127, kInt16Terms of them fit in int16), and vpmaddwd
+// multiplies the int16 sums by `weight`'s two int16 per row (1 for the plain sum, a group's scale in super-blocks).
+template <typename Codes>
+inline __m256i pair_sums(const __m256i (&w)[8], const int8_t* codes, __m256i weight) {
+  __m256i total = _mm256_setzero_si256();
+  for (int k0 = 0; k0 < 8; k0 += Codes::kInt16Terms) {
+    __m256i pairs = _mm256_maddubs_epi16(w[k0], _mm256_set1_epi32(four_codes(codes + 4 * k0)));
+    for (int k = k0 + 1; k < k0 + Codes::kInt16Terms; ++k)
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(four_codes(codes + 4 * k))));
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs, weight));
+  }
+  return total;
+}
+
 // Σ (q − centre)·x̂ over a group, for each of 8 rows: codes of up to 6 bits meet x̂ unsigned (vpmaddubsw: a pair's
 // sum is at most 2·63·127) and Codes::kInt16Terms such pairs add up in int16 before one vpmaddwd widens them, then
 // centre·Σ x̂ (centred_sum) comes off; 8-bit codes take dot_centred's signs instead (2·255·127 would saturate).
 template <typename Codes>
 inline __m256i group_dot(const __m256i (&w)[8], const int8_t* codes, int32_t centred_sum) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i total = _mm256_setzero_si256();
   if constexpr (Codes::kInt16Terms > 0) {
-    for (int k0 = 0; k0 < 8; k0 += Codes::kInt16Terms) {
-      __m256i pairs = _mm256_maddubs_epi16(w[k0], _mm256_set1_epi32(four_codes(codes + 4 * k0)));
-      for (int k = k0 + 1; k < k0 + Codes::kInt16Terms; ++k)
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(four_codes(codes + 4 * k))));
-      total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs, ones));
-    }
-    return _mm256_sub_epi32(total, _mm256_set1_epi32(centred_sum));
+    return _mm256_sub_epi32(pair_sums<Codes>(w, codes, _mm256_set1_epi16(1)), _mm256_set1_epi32(centred_sum));
   } else {
-    __m256i odd = _mm256_setzero_si256();  // two chains: half the latency
+    __m256i total = _mm256_setzero_si256(), odd = _mm256_setzero_si256();  // two chains: half the latency
     for (int k = 0; k < 8; k += 2) {
       total = dot_centred<Codes::kCentre>(total, w[k], _mm256_set1_epi32(four_codes(codes + 4 * k)));
       odd = dot_centred<Codes::kCentre>(odd, w[k + 1], _mm256_set1_epi32(four_codes(codes + 4 * k + 4)));
@@ -186,18 +174,6 @@ inline void load(const HalfScales& scales, int64_t g, int part, __m256& s, __m25
   const int64_t lanes = g * kTile + 8 * part;
   s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales.scale + lanes)));
   m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales.minimum + lanes)));
-}
-
-inline void load(const SuperBlockScales& scales, int64_t g, int part, __m256& s, __m256& m) {
-  const int64_t lanes = g * kTile + 8 * part, block = g / kSuperBlockGroups * kTile + 8 * part;
-  const auto bytes = [&](const uint8_t* p) {  // 8 unsigned bytes -> float32
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + lanes))));
-  };
-  const auto halves = [&](const at::Half* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + block)));
-  };
-  s = _mm256_mul_ps(halves(scales.scale), bytes(scales.group_scale));
-  m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves(scales.minimum_scale), bytes(scales.group_minimum)));
 }
 
 template <typename Codes, int R, typename Scales>
@@ -498,8 +474,8 @@ void run_tiles_bf16(const uint8_t* codes, const at::Half* scales, const at::Half
 #endif
 #endif
 
-// Vector dot products of every input row with every tile: scales_of(t) gives tile t's scales (HalfScales or
-// SuperBlockScales). Checks what every form shares: the rows, the packed codes, out_features.
+// Vector dot products of every input row with every tile: scales_of(t) gives tile t's HalfScales. Checks what every
+// form shares: the rows, the packed codes, out_features.
 template <typename Tile, typename ScalesOf>
 at::Tensor dot_product(const at::Tensor& rows, const at::Tensor& packed, int64_t out_features, ScalesOf scales_of) {
   TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&

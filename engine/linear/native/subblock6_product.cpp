@@ -1,10 +1,12 @@
 // rows (m, in) float32 or bfloat16 · W(out, in)ᵀ -> (m, out) float32, W held as GGUF's Q6_K super-blocks, as stored:
 // per 256 inputs of a row a float16 d, per 16 inputs an int8 scale sc, per input a 6-bit code q; w = d·sc·(q − 32).
 //
-// The products are integer dot products against the inputs quantized to 8 bits per group of 32 (group_product.h's
-// QuantizedRows), as for Q4_0: per group and output row, the two halves' Σ q·x̂ (vpdpbusd, or AVX2's vpmaddubsw:
-// q <= 63 and |x̂| <= 127, so a pair's sum fits in int16) less 32·Σ x̂ of the half, times the half's sc, summed in
-// int32, then scaled by d and the group's input scale. Nothing is rounded but x̂: w·x̂ is exact in the integers.
+// The products are llama.cpp's for Q6_K (super_block.h): per super-block and output row,
+//   Σ w·x ≈ d·e·Σ_h sc_h·(Σ q·x̂ − 32·Σ x̂)  over its 16 sub-blocks h,   x ≈ e·x̂ (8-bit inputs, one scale e per 256),
+// in integers until the end of the super-block: a half-group's Σ q·x̂ as two int16 sums of vpmaddubsw pairs (q <= 63,
+// |x̂| <= 127: two pairs' sum fits in int16) times sc by vpmaddwd, and 32·sc·Σ x̂ two halves per vpmaddwd (with
+// AVX-512, vpdpbusd's sums centred first, then times sc in 32 bits). Bounds: |Σ sc·q·x̂| <= 256·128·63·127 over a
+// super-block, inside int32.
 //
 // Layout (made by engine/linear/quantized.py): tiles of 16 output rows; per tile and group, 384 bytes: the codes'
 // low 4 bits as codes4_product.cpp packs 4-bit codes (256 bytes, four runs of 64), then their high 2 bits in four
@@ -13,7 +15,7 @@
 // each half's sc per row; d: float16 (tiles, groups / 8, 16).
 #include <torch/library.h>
 
-#include "group_product.h"
+#include "super_block.h"
 
 namespace kvserve {
 namespace {
@@ -49,106 +51,110 @@ struct Codes6Tile {
   }
 };
 
-// One part of a tile, R input rows from `row`: y[r·out + lanes] = the product.
-template <int R>
-void run_tile6(const uint8_t* packed, const int8_t* scale, const at::Half* d, int64_t groups, const QuantizedRows& x,
-               int64_t row, int64_t in, float* y, int64_t out) {
+struct SubBlock6Format {
+  const uint8_t* packed;
+  const int8_t* sc;
+  const at::Half* d;
+  int64_t groups;
+
+  template <int R>
+  void run(int64_t t, const QuantizedSuperBlocks& x, int64_t row, float* y, int64_t out) const {
+    constexpr int32_t kCentreShift = 5;  // 32 = Codes6Tile::kCentre
+    static_assert(Codes6Tile::kCentre == 1 << kCentreShift);
+    const int64_t blocks = groups / kSuperBlockGroups, in = groups * kGroup;
+    const uint8_t* codes = packed + t * groups * Codes6Tile::kTileGroupBytes;
+    const int8_t* sct = sc + t * groups * 2 * kTile;
+    const at::Half* dt = d + t * blocks * kTile;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  {  // one part: all 16 rows
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      Operand w[8];
-      Codes6Tile::operands(packed + g * Codes6Tile::kTileGroupBytes, 0, w);
-      const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + 2 * g * kTile)));
-      const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + (2 * g + 1) * kTile)));
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g / kSuperBlockGroups * kTile)));
-      for (int r = 0; r < R; ++r) {
-        const int64_t rg = (row + r) * groups + g;
-        const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
-        __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
-        for (int k = 0; k < 4; ++k) {
-          low = _mm512_dpbusd_epi32(low, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
-          high = _mm512_dpbusd_epi32(high, w[k + 4], _mm512_set1_epi32(four_codes(codes + 16 + 4 * k)));
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; ++g) {
+        prefetch(codes + g * Codes6Tile::kTileGroupBytes + kPrefetchBytes, Codes6Tile::kTileGroupBytes);
+        Operand w[8];
+        Codes6Tile::operands(codes + g * Codes6Tile::kTileGroupBytes, 0, w);
+        const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sct + 2 * g * kTile)));
+        const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sct + (2 * g + 1) * kTile)));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
+          const int16_t* halves = x.half_sum.data() + ((row + r) * groups + g) * 2;
+          __m512i low = _mm512_set1_epi32(-Codes6Tile::kCentre * halves[0]);
+          __m512i high = _mm512_set1_epi32(-Codes6Tile::kCentre * halves[1]);
+          for (int k = 0; k < 4; ++k) {  // w[0..3]: inputs 0..15, w[4..7]: 16..31
+            low = _mm512_dpbusd_epi32(low, w[k], _mm512_set1_epi32(four_codes(xq + 4 * k)));
+            high = _mm512_dpbusd_epi32(high, w[k + 4], _mm512_set1_epi32(four_codes(xq + 16 + 4 * k)));
+          }
+          dot[r] = _mm512_add_epi32(dot[r], _mm512_add_epi32(_mm512_mullo_epi32(low, s0), _mm512_mullo_epi32(high, s1)));
         }
-        low = _mm512_sub_epi32(low, _mm512_set1_epi32(Codes6Tile::kCentre * x.half_sum[2 * rg]));
-        high = _mm512_sub_epi32(high, _mm512_set1_epi32(Codes6Tile::kCentre * x.half_sum[2 * rg + 1]));
-        const __m512i total = _mm512_add_epi32(_mm512_mullo_epi32(low, sc0), _mm512_mullo_epi32(high, sc1));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, _mm512_set1_ps(x.scale[rg])), acc[r]);
       }
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + b * kTile)));
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dv, _mm512_set1_ps(x.scale[(row + r) * blocks + b])),
+                                 acc[r]);
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * out, acc[r]);
-  }
 #else
-  for (int part = 0; part < kParts; ++part) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      Operand w[8];
-      Codes6Tile::operands(packed + g * Codes6Tile::kTileGroupBytes, part, w);
-      const int64_t lanes = 8 * part;
-      const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + 2 * g * kTile + lanes)));
-      const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + (2 * g + 1) * kTile + lanes)));
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g / kSuperBlockGroups * kTile + lanes)));
-      for (int r = 0; r < R; ++r) {
-        const int64_t rg = (row + r) * groups + g;
-        const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
-        // unsigned codes · signed inputs: two vpmaddubsw pairs add up in int16 (2 · 2·63·127 < 2^15), then in int32
-        const auto dots = [&](int k) {
-          return _mm256_madd_epi16(_mm256_add_epi16(
-              _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(four_codes(codes + 4 * k))),
-              _mm256_maddubs_epi16(w[k + 1], _mm256_set1_epi32(four_codes(codes + 4 * k + 4)))), _mm256_set1_epi16(1));
-        };
-        __m256i low = _mm256_add_epi32(dots(0), dots(2)), high = _mm256_add_epi32(dots(4), dots(6));
-        low = _mm256_sub_epi32(low, _mm256_set1_epi32(Codes6Tile::kCentre * x.half_sum[2 * rg]));
-        high = _mm256_sub_epi32(high, _mm256_set1_epi32(Codes6Tile::kCentre * x.half_sum[2 * rg + 1]));
-        const __m256i total = _mm256_add_epi32(_mm256_mullo_epi32(low, sc0), _mm256_mullo_epi32(high, sc1));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(x.scale[rg])), acc[r]);
+    __m256 acc[kParts][R];
+    for (int part = 0; part < kParts; ++part)
+      for (int r = 0; r < R; ++r) acc[part][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int part = 0; part < kParts; ++part) {  // both parts of a super-block while its lines are in cache
+        __m256i dot[R], centre[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256(), centre[r] = _mm256_setzero_si256();
+        for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; ++g) {
+          if (part == 0) prefetch(codes + g * Codes6Tile::kTileGroupBytes + kPrefetchBytes, Codes6Tile::kTileGroupBytes);
+          Operand w[8];
+          Codes6Tile::operands(codes + g * Codes6Tile::kTileGroupBytes, part, w);
+          const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sct + 2 * g * kTile + 8 * part));
+          const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sct + (2 * g + 1) * kTile + 8 * part));
+          const __m256i low_scale = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s0));  // sc twice per row, as int16
+          const __m256i high_scale = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s1, s1));
+          const __m256i both_scales = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));  // (sc_low, sc_high) per row
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
+            const auto pairs = [&](int k) {  // int16: Σ of inputs 4k..4k+7's q·x̂ per row
+              return _mm256_add_epi16(_mm256_maddubs_epi16(w[k], _mm256_set1_epi32(four_codes(xq + 4 * k))),
+                                      _mm256_maddubs_epi16(w[k + 1], _mm256_set1_epi32(four_codes(xq + 4 * k + 4))));
+            };
+            const __m256i low = _mm256_add_epi32(_mm256_madd_epi16(pairs(0), low_scale), _mm256_madd_epi16(pairs(2), low_scale));
+            const __m256i high = _mm256_add_epi32(_mm256_madd_epi16(pairs(4), high_scale), _mm256_madd_epi16(pairs(6), high_scale));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(low, high));
+            const int32_t halves = QuantizedSuperBlocks::pair(x.half_sum.data() + ((row + r) * groups + g) * 2);
+            centre[r] = _mm256_add_epi32(centre[r], _mm256_madd_epi16(both_scales, _mm256_set1_epi32(halves)));
+          }
+        }
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt + b * kTile + 8 * part)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i total = _mm256_sub_epi32(dot[r], _mm256_slli_epi32(centre[r], kCentreShift));
+          acc[part][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                                         _mm256_mul_ps(dv, _mm256_set1_ps(x.scale[(row + r) * blocks + b])), acc[part][r]);
+        }
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * out + 8 * part, acc[r]);
-  }
+    for (int part = 0; part < kParts; ++part)
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * out + 8 * part, acc[part][r]);
 #endif
-}
+  }
+};
 
 at::Tensor subblock6_product(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scale,
                              const at::Tensor& d, int64_t out_features) {
-  TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
-                  rows.is_contiguous(), "rows: contiguous float32 or bfloat16 (m, in)");
-  const int64_t m = rows.size(0), in = rows.size(1), groups = in / kGroup, tiles = packed.size(0);
-  TORCH_CHECK(in % (kGroup * kSuperBlockGroups) == 0, "Q6_K's inputs come in super-blocks of 256");
+  const int64_t groups = rows.size(1) / kGroup, tiles = packed.size(0);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) == groups * Codes6Tile::kTileGroupBytes, "packed: contiguous uint8 (tiles, groups · 384)");
   TORCH_CHECK(scale.scalar_type() == at::kChar && scale.is_contiguous() && scale.numel() == tiles * groups * 2 * kTile,
               "scale: contiguous int8 (tiles, in / 32, 2, 16)");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == tiles * (groups / kSuperBlockGroups) * kTile,
               "d: contiguous float16 (tiles, in / 256, 16)");
-  TORCH_CHECK(0 < out_features && out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
-              "out_features must fall in the last tile");
-  const int64_t padded = tiles * kTile;
-  at::Tensor y = at::empty({m, padded}, rows.options().dtype(at::kFloat));
-  const QuantizedRows x(rows, Codes6Tile::kCentre);
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const int8_t* scales = scale.data_ptr<int8_t>();
-  const at::Half* ds = d.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* p = codes + t * groups * Codes6Tile::kTileGroupBytes;
-      const int8_t* s = scales + t * groups * 2 * kTile;
-      const at::Half* dt = ds + t * (groups / kSuperBlockGroups) * kTile;
-      int64_t r = 0;
-      for (; r + kRowsPerPass <= m; r += kRowsPerPass)
-        run_tile6<kRowsPerPass>(p, s, dt, groups, x, r, in, yp + r * padded + t * kTile, padded);
-      for (; r < m; ++r) run_tile6<1>(p, s, dt, groups, x, r, in, yp + r * padded + t * kTile, padded);
-    }
-  });
-  return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
+  const SubBlock6Format format{packed.data_ptr<uint8_t>(), scale.data_ptr<int8_t>(), d.data_ptr<at::Half>(), groups};
+  return superblock_products(rows, tiles, out_features, format);
 }
 
 at::Tensor subblock6_product_meta(const at::Tensor& rows, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   int64_t out_features) {
-  return at::empty_symint({rows.sym_size(0), c10::SymInt(out_features)}, rows.options().dtype(at::kFloat));
+  return superblock_products_meta(rows, out_features);
 }
 
 }  // namespace

@@ -1,0 +1,95 @@
+// What the K-quants' products share (superblock_product.cpp: Q4_K and Q5_K; subblock6_product.cpp: Q6_K): the input
+// rows quantized to 8 bits per super-block of 256, as llama.cpp's Q8_K quantizes them, and the loop over tiles,
+// super-blocks and input rows.
+//
+// One input scale per super-block keeps each super-block's sums in integers: the weights' sub-block scales multiply
+// the integer dot products (vpmaddwd, or a 32-bit multiply with AVX-512), the minimums meet the integer Σ x̂ of their
+// groups, and floats appear once per super-block and output row (d and dmin times the input's scale). The error is
+// then that of llama.cpp's K-quant products on the same file: Σ w·(x̂·scale − x) over 8-bit inputs.
+#pragma once
+
+#include "group_product.h"
+
+namespace kvserve {
+
+constexpr int64_t kSuperBlockGroups = 8;
+constexpr int64_t kSuperBlock = kSuperBlockGroups * kGroup;
+// The input rows, super-block by super-block: 8-bit codes x̂, one scale per 256 inputs, and Σ x̂ of every 32 and
+// of every 16 inputs (at most 32·127 in magnitude: int16).
+struct QuantizedSuperBlocks {
+  std::vector<int8_t> codes;  // (m, in)
+  std::vector<float> scale;  // (m, in / 256)
+  std::vector<int16_t> group_sum;  // (m, in / 32)
+  std::vector<int16_t> half_sum;  // (m, in / 16)
+
+  // rows: (m, in) float32 or bfloat16, contiguous, in a multiple of 256.
+  explicit QuantizedSuperBlocks(const at::Tensor& rows)
+      : codes(rows.numel()), scale(rows.numel() / kSuperBlock), group_sum(rows.numel() / kGroup),
+        half_sum(rows.numel() / (kGroup / 2)) {
+    if (rows.scalar_type() == at::kBFloat16) quantize(rows.data_ptr<at::BFloat16>());
+    else quantize(rows.data_ptr<float>());
+  }
+
+  template <typename T>
+  void quantize(const T* x) {
+    for (size_t b = 0; b < scale.size(); ++b) {
+      float v[kSuperBlock];
+      float largest = 0;
+      for (int64_t j = 0; j < kSuperBlock; ++j) v[j] = static_cast<float>(x[b * kSuperBlock + j]);
+      for (int64_t j = 0; j < kSuperBlock; ++j) largest = std::max(largest, std::fabs(v[j]));
+      const float inverse = largest > 0 ? 127.f / largest : 0.f;
+      for (int64_t h = 0; h < 2 * kSuperBlockGroups; ++h) {  // halves of groups: 16 inputs
+        int32_t sum = 0;
+        for (int64_t j = 16 * h; j < 16 * h + 16; ++j) {
+          const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
+          codes[b * kSuperBlock + j] = q;
+          sum += q;
+        }
+        half_sum[2 * kSuperBlockGroups * b + h] = static_cast<int16_t>(sum);
+      }
+      for (int64_t g = 0; g < kSuperBlockGroups; ++g) {
+        const int64_t first = 2 * kSuperBlockGroups * b + 2 * g;
+        group_sum[kSuperBlockGroups * b + g] = static_cast<int16_t>(half_sum[first] + half_sum[first + 1]);
+      }
+      scale[b] = largest / 127.f;
+    }
+  }
+
+  // Two neighbouring int16 sums as one broadcastable dword: the low half the first.
+  static int32_t pair(const int16_t* sums) {
+    int32_t v;
+    std::memcpy(&v, sums, 4);
+    return v;
+  }
+};
+
+// Every input row times every tile of a K-quant weight, tiles split over torch's threads: Format::run<R>(t, x, row,
+// y, out) writes tile t's 16 outputs of input rows row..row+R-1 (R = kRowsPerPass, then 1), y at the tile's first
+// output of row `row`, out the row stride. Checks what every K-quant product shares.
+template <typename Format>
+at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t out_features, const Format& format) {
+  TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
+                  rows.is_contiguous(), "rows: contiguous float32 or bfloat16 (m, in)");
+  TORCH_CHECK(rows.size(1) % kSuperBlock == 0, "K-quants' inputs come in super-blocks of 256");
+  TORCH_CHECK(0 < out_features && out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
+              "out_features must fall in the last tile");
+  const int64_t m = rows.size(0), padded = tiles * kTile;
+  at::Tensor y = at::empty({m, padded}, rows.options().dtype(at::kFloat));
+  const QuantizedSuperBlocks x(rows);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t r = 0;
+      for (; r + kRowsPerPass <= m; r += kRowsPerPass)
+        format.template run<kRowsPerPass>(t, x, r, yp + r * padded + t * kTile, padded);
+      for (; r < m; ++r) format.template run<1>(t, x, r, yp + r * padded + t * kTile, padded);
+    }
+  });
+  return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
+}
+
+inline at::Tensor superblock_products_meta(const at::Tensor& rows, int64_t out_features) {
+  return at::empty_symint({rows.sym_size(0), c10::SymInt(out_features)}, rows.options().dtype(at::kFloat));
+}
+
+}  // namespace kvserve
