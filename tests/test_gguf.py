@@ -214,7 +214,7 @@ Q4_K_M = {"embed_tokens": GGMLQuantizationType.Q6_K, "v_proj": GGMLQuantizationT
 @pytest.mark.parametrize("mix", ["Q4_K", "Q4_K_M"])
 def test_a_k_quant_gguf_is_served_as_stored_and_matches_transformers(model_dir, tmp_path, mix):
     """A model 256 wide (whole super-blocks), tied: every matrix in Q4_K, or in Q4_K_M's mix of Q4_K and Q6_K (q and k
-    in Q4_K beside v in Q6_K then fuse into one 8-bit layer). The oracle is transformers on the same weights."""
+    in Q4_K above v in Q6_K then stack, each on its own kernel). The oracle is transformers on the same weights."""
     from transformers import AutoModelForCausalLM
 
     src = model_dir("wide")
@@ -232,10 +232,17 @@ def test_a_k_quant_gguf_is_served_as_stored_and_matches_transformers(model_dir, 
     if mix == "Q4_K":
         assert types["layers.*.self_attn.qkv_proj"]["layer"] == q4_k
         assert "TwoForms" in types["lm_head"]["layer"]  # the tied head: codes, and the embedding from some rows
-    else:  # Q4_K q and k beside Q6_K v: one layer of 8-bit groups, each Q4_K group exact in it, v fitted
+    elif kernels:  # Q4_K q and k above Q6_K v: a stack of the two, each as stored on its own kernel
+        assert types["layers.*.self_attn.qkv_proj"]["layer"] == "StackedLinear"
+        assert types["layers.*.self_attn.qkv_proj"]["reason"] == (
+            "stacked by type: Q4_K as stored on kvserve's Q4_K kernel (dot products at every row count); "
+            "Q6_K as stored on kvserve's Q6_K kernel (dot products at every row count)")
+        assert types["layers.*.mlp.down_proj"]["layer"] == "SubBlock6Linear"
+        assert served.model.plan[-1].served == ("Q6_K as stored",)
+    else:  # torch's int4 kernel: one layer of 8-bit groups, each Q4_K group exact in it, v fitted
         assert types["layers.*.self_attn.qkv_proj"]["reason"].startswith("Q4_K as 4-bit groups")
-        assert types["layers.*.mlp.down_proj"]["layer"] == ("SubBlock6Linear" if kernels else "GroupLinear")
-        assert served.model.plan[-1].served == (("Q6_K as stored",) if kernels else ("Q6_K fitted to 8-bit groups at load",))
+        assert types["layers.*.mlp.down_proj"]["layer"] == "GroupLinear"
+        assert served.model.plan[-1].served == ("Q6_K fitted to 8-bit groups at load",)
     ids = [5, 17, 33, 120, 7, 250, 64]
     model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     with torch.inference_mode():

@@ -17,9 +17,9 @@ from engine import EngineConfig, SamplingParams
 from engine.device import cpu_description
 from engine.linear.native import load_kernels, load_or_build
 from engine.linear.timing import BFLOAT16_TILES, INTEGER_TILES, ProductForms, crossovers
-from engine.linear.codes import GroupCodes, SubBlockCodes, SuperBlockCodes
+from engine.linear.codes import GroupCodes, StackedCodes, SubBlockCodes, SuperBlockCodes, fuse
 from engine.linear.planner import Machine, Planner, Role, codes_layer_class
-from engine.linear.quantized import GroupLinear, Int8Linear, SubBlock6Linear, SuperBlockLinear
+from engine.linear.quantized import GroupLinear, Int8Linear, StackedLinear, SubBlock6Linear, SuperBlockLinear
 from tests.test_gguf import write_minimal_gguf
 from tests.tiny import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from weights.gguf_file import GGUFFile
@@ -259,6 +259,28 @@ def test_four_bit_codes_fused_with_eight_bit_ones_keep_their_accuracy():
         got = codes_layer(8)(fused, None, torch.float32)(x)[:, :32]
     exact = x @ four.dequantize().t()
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
+
+
+def test_parts_of_different_types_stack_each_as_stored():
+    """q and k in Q4_K above v in Q6_K (as Q4_K_M files hold them), or Q4_0 beside Q8_0: fused, each run of one type
+    stays as stored, and the stack's product is each part's own kernel's, side by side."""
+    q, k, v = random_q4_k(32, 256), random_q4_k(16, 256), random_q6_k(16, 256)
+    stack = fuse([q, k, v])
+    assert isinstance(stack, StackedCodes) and [type(p) for p in stack.parts] == [SuperBlockCodes, SubBlockCodes]
+    assert stack.shape == (64, 256) and torch.equal(stack.dequantize(), torch.cat([p.dequantize() for p in (q, k, v)]))
+    four, eight = fp16_exact(GroupCodes.fit(torch.randn(32, 256) * 0.05, 4)), eight_bit_codes(16, 256)
+    assert [p.bits for p in fuse([four, eight]).parts] == [4, 8]
+    assert isinstance(fuse([q, k]), SuperBlockCodes)  # one type: one matrix, no stack
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    decision = Planner(Machine.found(torch.device("cpu")), "auto").plan(stack, None, Role("layers.0.self_attn.qkv_proj"))
+    assert isinstance(decision.layer, StackedLinear)
+    assert [type(p) for p in decision.layer.parts] == [SuperBlockLinear, SubBlock6Linear]
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        got = decision.layer(x)
+        parts = [SuperBlockLinear(SuperBlockCodes.cat([q, k]), None, torch.bfloat16), SubBlock6Linear(v, None, torch.bfloat16)]
+        assert torch.equal(got, torch.cat([p(x) for p in parts], dim=1))
 
 
 def test_eight_bit_codes_are_two_exact_four_bit_halves():

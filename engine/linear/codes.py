@@ -1,6 +1,6 @@
 """Quantized weights as data, with no kernel attached (weights/ builds them, the layers in engine/linear/quantized.py
-serve them): group codes (GGUF's Q4_0, Q4_1, Q8_0 and codes fitted at load), super-block codes (GGUF's Q4_K) and
-sub-block codes (Q6_K)."""
+serve them): group codes (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and codes fitted at load), super-block codes (GGUF's
+Q4_K and Q5_K), sub-block codes (Q6_K), and stacks of these (a fused matrix whose parts are of different types)."""
 
 from __future__ import annotations
 
@@ -230,16 +230,59 @@ def whole(part: slice, size: int) -> slice:
     return slice(part.start // size, part.stop // size)
 
 
-QuantizedWeight = GroupCodes | SuperBlockCodes | SubBlockCodes
-QUANTIZED = (GroupCodes, SuperBlockCodes, SubBlockCodes)  # for isinstance
+@dataclass(frozen=True)
+class StackedCodes:
+    """Row-stacked parts of different kinds (q and k in Q4_K above v in Q6_K, as Q4_K_M files hold half their layers'
+    attention), each kept as stored: served part by part and concatenated, rather than all fitted to one kind."""
+
+    parts: tuple["GroupCodes | SuperBlockCodes | SubBlockCodes", ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError(f"a stack is two or more parts of one input width, got {[p.shape for p in self.parts]}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s for p in self.parts for s in p.served))
+
+    def group_codes(self) -> GroupCodes:
+        """The whole stack as one matrix of group codes (torch's kernel takes no stack)."""
+        return GroupCodes.cat(list(self.parts))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (out, in)."""
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def columns(self, part: slice) -> "StackedCodes":
+        return StackedCodes(tuple(p.columns(part) for p in self.parts))
+
+    def map_rows(self, reorder) -> GroupCodes:
+        """A row function of the whole matrix (a shard's q, k and v rows) reaches across the parts: the stack becomes
+        one matrix of group codes first."""
+        return self.group_codes().map_rows(reorder)
+
+
+QuantizedWeight = GroupCodes | SuperBlockCodes | SubBlockCodes | StackedCodes
+QUANTIZED = (GroupCodes, SuperBlockCodes, SubBlockCodes, StackedCodes)  # for isinstance
 
 
 def fuse(parts: list["QuantizedWeight | torch.Tensor"]) -> "QuantizedWeight | torch.Tensor":
-    """Row-stacked parts (q, k, v -> qkv): floats stay floats; codes of one K-quant kind stay so; any other mix of
-    quantized parts makes the whole group codes."""
-    for kind in (SuperBlockCodes, SubBlockCodes):
-        if all(isinstance(p, kind) for p in parts) and len({p.bits for p in parts}) == 1:
-            return kind.cat(parts)
-    if any(isinstance(p, QUANTIZED) for p in parts):
+    """Row-stacked parts (q, k, v -> qkv): floats stay floats; quantized parts of one kind and width are one matrix of
+    that kind; quantized parts of several kinds a stack of runs of one kind each; quantized parts beside float ones
+    group codes, the floats fitted."""
+    if not any(isinstance(p, QUANTIZED) for p in parts):
+        return torch.cat(parts)
+    if not all(isinstance(p, (GroupCodes, SuperBlockCodes, SubBlockCodes)) for p in parts):
         return GroupCodes.cat(parts)
-    return torch.cat(parts)
+    runs: list[list] = []
+    for p in parts:
+        if runs and (type(runs[-1][0]), runs[-1][0].bits) == (type(p), p.bits):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    joined = [run[0] if len(run) == 1 else type(run[0]).cat(run) for run in runs]
+    return joined[0] if len(joined) == 1 else StackedCodes(tuple(joined))

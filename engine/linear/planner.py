@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, SubBlockCodes, SuperBlockCodes
+from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, StackedCodes, SubBlockCodes, SuperBlockCodes
 from engine.linear.dense import WEIGHT_LEFT_MIN_ELEMENTS, CpuLinear, PackedLinear, packs_bfloat16
-from engine.linear.quantized import (Codes4Linear, Codes5Linear, Codes8Linear, GroupLinear, Int8Linear, SubBlock6Linear,
-                                    SuperBlockLinear, WeightOnlyLinear)
+from engine.linear.quantized import (Codes4Linear, Codes5Linear, Codes8Linear, GroupLinear, Int8Linear, StackedLinear,
+                                    SubBlock6Linear, SuperBlockLinear, WeightOnlyLinear)
 from engine.linear.timing import ProductForms, Timings, measure_forms, measure_switch
 from engine.linear.two_forms import TwoForms, dense_weight
 
@@ -114,16 +114,21 @@ class Planner:
                 return self._with_dense_form(codes, role, f"int8 rows quantized at load ({why})", ())
             codes, how = self._codes_layer(GroupCodes.fit(weight, 4), convert(bias), role.head)
             return self._with_dense_form(codes, role, f"int4 groups quantized at load (quantize=int4): {how}", ())
-        if isinstance(weight, (SuperBlockCodes, SubBlockCodes)) and self.machine.kernels_off is not None:
+        if isinstance(weight, (SuperBlockCodes, SubBlockCodes, StackedCodes)) and self.machine.kernels_off is not None:
             weight = weight.group_codes()  # torch's kernel takes groups
         if isinstance(weight, QUANTIZED):
             codes, how = self._codes_layer(weight, convert(bias), role.head)
-            return self._with_dense_form(codes, role, f"{'; '.join(weight.served)}: {how}", weight.served)
+            why = how if isinstance(weight, StackedCodes) else f"{'; '.join(weight.served)}: {how}"  # a stack names its parts
+            return self._with_dense_form(codes, role, why, weight.served)
         layer, how = self._dense_layer(weight, bias, packable=weight is not role.tied_embedding)
         return Decision(role.name, layer, how)
 
     def _codes_layer(self, weight: QuantizedWeight, bias: torch.Tensor | None, head: bool) -> tuple[WeightOnlyLinear, str]:
         output = torch.float32 if head else torch.bfloat16  # logits are float32
+        if isinstance(weight, StackedCodes):
+            layers, hows = zip(*(self._codes_layer(p, None, head) for p in weight.parts))
+            parts = "; ".join(f"{', '.join(p.served)} on {how}" for p, how in zip(weight.parts, hows))
+            return StackedLinear(list(layers), bias), f"stacked by type: {parts}"
         if isinstance(weight, SuperBlockCodes):
             return SuperBlockLinear(weight, bias, output), f"kvserve's Q{weight.bits}_K kernel (dot products at every row count)"
         if isinstance(weight, SubBlockCodes):

@@ -13,6 +13,7 @@ Four layouts:
 - sub-blocks (`SubBlockCodes`): GGUF's Q6_K as stored, 6-bit codes with an int8 scale per 16 inputs and a float16
   one per 256: `SubBlock6Linear` on kvserve's kernel.
 - rows (`Int8Linear`): each output row keeps 8-bit codes in [-127, 127] and one scale (int8pack).
+A matrix fused from parts of different layouts (q, k and v of different GGUF types) is a `StackedLinear` of them.
 
 Which of them serves a given matrix is the planner's decision (engine/linear/planner.py).
 """
@@ -220,6 +221,22 @@ class SubBlock6Linear(WeightOnlyLinear):
         y = torch.ops.kvserve.subblock6_product(rows.contiguous(), self.packed, self.scale, self.block_scale,
                                                 self.out_features)
         return y.to(self.activation_dtype)
+
+
+class StackedLinear(WeightOnlyLinear):
+    """Row-stacked layers of different kinds as one (a Q4_K_M file's q and k in Q4_K above its v in Q6_K): each part's
+    kernel on the same input rows, the outputs side by side."""
+
+    def __init__(self, parts: list[WeightOnlyLinear], bias: torch.Tensor | None):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.bias = bias
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.activation_dtype = parts[0].activation_dtype
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.product(rows) for p in self.parts], dim=1)  # (tokens, out): the parts' rows in order
 
 
 def tiles_of(t: torch.Tensor, tile: int) -> torch.Tensor:
