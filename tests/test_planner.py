@@ -18,6 +18,7 @@ from engine import cache_file
 from engine.executor import batch_buckets
 from engine.linear.codes import GroupCodes
 from engine.linear.dense import CpuLinear, PackedLinear, packs_bfloat16
+from engine.linear import planner as planner_module
 from engine.linear.planner import Machine, Planner, Role, codes_layer_class, served_by_type, summary
 from engine.linear.quantized import Codes4Linear, GroupLinear, Int8Linear
 from engine.linear.timing import ProductForms, Timings, dense_from
@@ -107,9 +108,14 @@ def test_a_quantized_tied_head_switches_to_the_embedding_where_measured(switch):
 
 
 @pytest.mark.parametrize("switch", [2, None])
-def test_dense_copies_are_kept_only_where_measured_faster(switch):
-    decision = Planner(NO_KERNELS, "auto", dense_copies=True, timings=Given(block=switch)).plan(
+def test_dense_copies_are_kept_only_where_measured_faster(switch, monkeypatch):
+    copies = []
+    monkeypatch.setattr(planner_module, "dense_weight", lambda layer: copies.append(layer) or dense_weight(layer))
+    timings = Given(block=switch)
+    decision = Planner(NO_KERNELS, "auto", dense_copies=True, timings=timings).plan(
         q4_0(), None, Role("layers.0.mlp.down_proj"))
+    assert timings.asked == ["block GroupLinear 48x64 vs copy CpuLinear"]  # the dense class known before any copy
+    assert len(copies) == (0 if switch is None else 1)  # recorded: no copy made to be thrown away, nor measured again
     if switch is None:  # a copy that never runs would only take memory
         assert isinstance(decision.layer, GroupLinear) and decision.reason.endswith("no dense copy: the codes were faster at every row count (measured)")
     else:

@@ -140,8 +140,11 @@ class Planner:
         forms = self.forms
         return kind(weight, bias, output, forms), f"kvserve's {weight.bits}-bit kernel ({forms.described()})"
 
+    def _dense_class(self, dtype: torch.dtype, packable: bool) -> type[nn.Module]:
+        return PackedLinear if dtype == torch.bfloat16 and self.machine.packs_bfloat16 and packable else CpuLinear
+
     def _dense_layer(self, weight: torch.Tensor, bias: torch.Tensor | None, packable: bool) -> tuple[nn.Module, str]:
-        if weight.dtype == torch.bfloat16 and self.machine.packs_bfloat16 and packable:
+        if self._dense_class(weight.dtype, packable) is PackedLinear:
             return PackedLinear(weight, bias), "dense bfloat16, prepacked by oneDNN (it computes in bfloat16 here)"
         widen = not self.machine.native_bfloat16
         layer = CpuLinear(as_parameter(weight), None if bias is None else as_parameter(bias), widen_bfloat16=widen)
@@ -169,9 +172,17 @@ class Planner:
             return Decision(role.name, TwoForms(codes, dense, switch),
                             f"{how}; codes below {switch} rows, the {name} from there (measured)", served)
         if self.dense_copies and not role.head:
-            dense, _ = self._dense_layer(dense_weight(codes), codes.bias, packable=True)
-            switch = self.switch(codes, dense, f"block {type(codes).__name__} {shape(codes)} vs copy {type(dense).__name__}")
+            # The record is read before any copy is made: where it says the codes win at every row count, none is.
+            copies: list[nn.Module] = []
+
+            def measured() -> dict[int, tuple[float, float]]:
+                copies.append(self._dense_layer(dense_weight(codes), codes.bias, packable=True)[0])
+                return measure_switch(codes, copies[0])
+
+            kind = self._dense_class(codes.activation_dtype, packable=True).__name__
+            switch = self.timings.switch(f"block {type(codes).__name__} {shape(codes)} vs copy {kind}", measured)
             if switch is not None:
+                dense = copies[0] if copies else self._dense_layer(dense_weight(codes), codes.bias, packable=True)[0]
                 return Decision(role.name, TwoForms(codes, dense, switch),
                                 f"{how}; codes below {switch} rows, a dense copy from there (measured)", served)
             how += "; no dense copy: the codes were faster at every row count (measured)"
