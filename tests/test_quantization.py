@@ -6,6 +6,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -259,6 +260,28 @@ def test_four_bit_codes_fused_with_eight_bit_ones_keep_their_accuracy():
         got = codes_layer(8)(fused, None, torch.float32)(x)[:, :32]
     exact = x @ four.dequantize().t()
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_centred_codes_hold_no_minimums_and_compute_the_same(bits):
+    """Q4_0, Q5_0 and Q8_0 are w = s·(q − centre): the layer holds no minimums (the file's 4.5, 5.5 and 8.5 bits per
+    weight, not one more), and its products are bit for bit those with the minimums given."""
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    generator = torch.Generator().manual_seed(bits)
+    scale = (torch.rand(37, 8, generator=generator) * 0.01 + 0.001).half().float()
+    codes = GroupCodes(torch.randint(0, 2 ** bits, (37, 256), dtype=torch.uint8, generator=generator), scale,
+                       -(2 ** (bits - 1)) * scale, bits)
+    layer = codes_layer(bits)(codes, None, torch.float32)
+    assert layer.minimum.numel() == 0
+    x = torch.randn(5, 256, generator=generator)
+    with torch.inference_mode():
+        given = layer.kernel(x, layer.packed, layer.scale, -(2 ** (bits - 1)) * layer.scale, 37, 2**30, 2**30)
+        assert torch.equal(layer.product(x), given)
+        exact = x @ codes.dequantize().t()
+        assert ((given - exact).norm() / exact.norm()).item() < 0.01
+    offset = replace(codes, minimum=codes.minimum + scale)  # Q4_1's kind: a minimum of its own
+    assert codes_layer(bits)(offset, None, torch.float32).minimum.shape == layer.scale.shape
 
 
 def test_parts_of_different_types_stack_each_as_stored():

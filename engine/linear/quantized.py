@@ -80,7 +80,8 @@ class GroupTiles(WeightOnlyLinear):
     """Group codes through one of kvserve's kernels (engine/linear/native), in tiles of 16 output rows.
 
     The rows are padded to whole tiles with zero codes and scales; the kernel returns only `out_features`.
-    Scales and minimums are float16, as GGUF stores them (exact for its blocks).
+    Scales and minimums are float16, as GGUF stores them (exact for its blocks); centred codes (Q4_0, Q5_0, Q8_0:
+    minimum = −centre·scale) hold no minimums.
     """
 
     TILE = 16  # output rows per tile
@@ -96,8 +97,12 @@ class GroupTiles(WeightOnlyLinear):
         codes = F.pad(weight.codes, (0, 0, 0, pad))
         tiles, groups = codes.shape[0] // self.TILE, self.in_features // GROUP_SIZE
         self.register_buffer("packed", self.pack(codes.view(tiles, self.TILE, groups, GROUP_SIZE)).reshape(tiles, -1))
-        self.register_buffer("scale", tiles_of(weight.scale, self.TILE).to(torch.float16))
-        self.register_buffer("minimum", tiles_of(weight.minimum, self.TILE).to(torch.float16))
+        scale = tiles_of(weight.scale, self.TILE).to(torch.float16)
+        minimum = tiles_of(weight.minimum, self.TILE).to(torch.float16)
+        if torch.equal(minimum, -self.centre * scale):  # Q4_0, Q5_0, Q8_0: w = s·(q − centre), no minimum to hold
+            minimum = minimum.new_empty(0)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)  # empty for centred codes: the kernel then reads scales alone
         self.bias = bias
         self.activation_dtype = dtype
         self.forms = forms  # the kernel's form by input rows: as measured for this CPU (the planner), else dot products
@@ -106,6 +111,11 @@ class GroupTiles(WeightOnlyLinear):
     def pack(codes: torch.Tensor) -> torch.Tensor:
         """codes (tile, row, group, 32) -> the kernel's bytes (tile, group, ...)."""
         raise NotImplementedError
+
+    @property
+    def centre(self) -> int:
+        """Where the kernel centres the codes: 8, 16 or 128."""
+        return 2 ** (self.bits - 1)
 
     @property
     def kernel(self):

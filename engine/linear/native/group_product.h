@@ -77,12 +77,21 @@ inline int32_t four_codes(const int8_t* p) {  // 4 input codes as one broadcasta
   return v;
 }
 
-// A tile's scale s and minimum m per (group, output row), float16 as Q4_0, Q4_1 and Q8_0 store them, (groups, 16) per
-// tile. load(scales, g, part, s, m) gives group g's for the tile's rows in register `part` (16 rows: all of them in one
+// A tile's scale s and minimum m per (group, output row), float16 as GGUF stores them, (groups, 16) per tile.
+// load(scales, g, part, s, m) gives group g's for the tile's rows in register `part` (16 rows: all of them in one
 // AVX-512 register; two parts of 8 with AVX2).
+// - HalfScales: both (Q4_1, Q5_1, and codes fitted at load);
+// - CentredScales: the scale alone, where m = −centre·s (Q4_0, Q5_0 and Q8_0: w = s·(q − centre)): the rest of each
+//   weight, centre·s + m, is nothing, so no minimums are held, read or multiplied.
 struct HalfScales {
   const at::Half* scale;
   const at::Half* minimum;
+  static constexpr bool kCentred = false;
+};
+
+struct CentredScales {
+  const at::Half* scale;
+  static constexpr bool kCentred = true;
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -95,6 +104,11 @@ constexpr int kParts = 1;  // registers per tile
 inline void load(const HalfScales& scales, int64_t g, int, __m512& s, __m512& m) {
   s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales.scale + g * kTile)));
   m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales.minimum + g * kTile)));
+}
+
+inline void load(const CentredScales& scales, int64_t g, int, __m512& s, __m512& m) {
+  s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales.scale + g * kTile)));
+  m = _mm512_setzero_ps();  // unused: a centred group has no rest
 }
 
 template <typename Codes, int R, typename Scales>
@@ -118,7 +132,7 @@ void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const
       }
       const __m512i centred = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(x.centred_sum[rg]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[rg])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(rest, _mm512_set1_ps(x.sum[rg]), acc[r]);
+      if constexpr (!Scales::kCentred) acc[r] = _mm512_fmadd_ps(rest, _mm512_set1_ps(x.sum[rg]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * out, acc[r]);
@@ -176,6 +190,11 @@ inline void load(const HalfScales& scales, int64_t g, int part, __m256& s, __m25
   m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales.minimum + lanes)));
 }
 
+inline void load(const CentredScales& scales, int64_t g, int part, __m256& s, __m256& m) {
+  s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales.scale + g * kTile + 8 * part)));
+  m = _mm256_setzero_ps();  // unused: a centred group has no rest
+}
+
 template <typename Codes, int R, typename Scales>
 void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const QuantizedRows& x, int64_t row,
               int64_t in, float* y, int64_t out) {
@@ -193,7 +212,7 @@ void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const
         const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
         const __m256i centred = group_dot<Codes>(w, codes, x.centred_sum[rg]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(x.scale[rg])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(rest, _mm256_set1_ps(x.sum[rg]), acc[r]);
+        if constexpr (!Scales::kCentred) acc[r] = _mm256_fmadd_ps(rest, _mm256_set1_ps(x.sum[rg]), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * out + 8 * part, acc[r]);
@@ -344,8 +363,9 @@ void run_tile_amx(const uint8_t* packed, const at::Half* scale, const at::Half* 
     for (int i = 0; i < n; ++i) {
       const int64_t g = g0 + i;
       const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kTile)));
-      const __m512 rest = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(Codes::kCentre)), s,
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + g * kTile))));
+      const __m512 rest = minimum == nullptr ? _mm512_setzero_ps() :  // centred: no minimums (CentredScales)
+          _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(Codes::kCentre)), s,
+                          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + g * kTile))));
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (row + r) * groups + g;
         const __m512i centred = _mm512_sub_epi32(_mm512_load_si512(dots[i] + r * kTile),
@@ -368,7 +388,8 @@ void run_tiles_amx(const uint8_t* codes, const at::Half* scales, const at::Half*
     _tile_loadconfig(&config);  // per thread, as torch's threads run these tiles
     for (int64_t t = begin; t < end; ++t)
       run_tile_amx<Codes>(codes + t * groups * Codes::kTileGroupBytes, scales + t * groups * kTile,
-                          minimums + t * groups * kTile, groups, x, r, rows, in, y + r * padded + t * kTile, padded);
+                          minimums == nullptr ? nullptr : minimums + t * groups * kTile, groups, x, r, rows, in,
+                          y + r * padded + t * kTile, padded);
   }
   _tile_release();
 }
@@ -389,7 +410,9 @@ inline void dequantize_group(const uint8_t* bytes, const at::Half* scale, const 
   Operand w[8];
   Codes::operands(bytes, 0, w);
   const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
+  const __m512 m = minimum == nullptr  // centred: m = −centre·s (CentredScales)
+                       ? _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(Codes::kCentre)))
+                       : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum)));
   const __m512i byte = _mm512_set1_epi32(0xFF);
   // values 0..15 are one input's 16 outputs, 16..31 the next input's: value 2o <- o, 2o + 1 <- 16 + o
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -453,7 +476,8 @@ void run_tiles_bf16(const uint8_t* codes, const at::Half* scales, const at::Half
     for (int64_t j = 0; j < n; ++j)
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t tg = (t0 + j) * groups + g;
-        dequantize_group<Codes>(codes + tg * Codes::kTileGroupBytes, scales + tg * kTile, minimums + tg * kTile,
+        dequantize_group<Codes>(codes + tg * Codes::kTileGroupBytes, scales + tg * kTile,
+                                minimums == nullptr ? nullptr : minimums + tg * kTile,
                                 weights.data() + (j * groups + g) * kBf16Group);
       }
     for (int64_t r = 0; r < rows; r += 2 * kAmxRows) {
@@ -474,7 +498,7 @@ void run_tiles_bf16(const uint8_t* codes, const at::Half* scales, const at::Half
 #endif
 #endif
 
-// Vector dot products of every input row with every tile: scales_of(t) gives tile t's HalfScales. Checks what every
+// Vector dot products of every input row with every tile: scales_of(t) gives tile t's HalfScales or CentredScales. Checks what every
 // form shares: the rows, the packed codes, out_features.
 template <typename Tile, typename ScalesOf>
 at::Tensor dot_product(const at::Tensor& rows, const at::Tensor& packed, int64_t out_features, ScalesOf scales_of) {
@@ -529,15 +553,17 @@ at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const
   const int64_t m = rows.size(0), in = rows.size(1), groups = in / kGroup, tiles = packed.size(0);
   TORCH_CHECK(in % kGroup == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) == groups * Tile::kTileGroupBytes, "packed: contiguous uint8 (tiles, groups · tile bytes)");
+  const bool centred = minimum.numel() == 0;  // w = s·(q − centre): no minimums held (CentredScales)
   TORCH_CHECK(scale.scalar_type() == at::kHalf && minimum.scalar_type() == at::kHalf && scale.is_contiguous() &&
-                  minimum.is_contiguous() && scale.numel() == tiles * groups * kTile && minimum.sizes() == scale.sizes(),
-              "scale and minimum: contiguous float16 (tiles, in / 32, 16)");
+                  minimum.is_contiguous() && scale.numel() == tiles * groups * kTile &&
+                  (centred || minimum.sizes() == scale.sizes()),
+              "scale and minimum: contiguous float16 (tiles, in / 32, 16), minimum empty for centred codes");
   TORCH_CHECK(0 < out_features && out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
               "out_features must fall in the last tile");
   const int64_t padded = tiles * kTile;
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const at::Half* scales = scale.data_ptr<at::Half>();
-  const at::Half* minimums = minimum.data_ptr<at::Half>();
+  const at::Half* minimums = centred ? nullptr : minimum.data_ptr<at::Half>();
 #ifdef KVSERVE_AMX_BF16
   if (m >= bfloat16_tiles_from && amx_permitted()) {
     const int64_t rows16 = (m + kAmxRows - 1) / kAmxRows * kAmxRows;  // whole tiles of input rows, padded with zeros
@@ -568,6 +594,8 @@ at::Tensor group_product(const at::Tensor& rows, const at::Tensor& packed, const
     return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
   }
 #endif
+  if (centred)
+    return dot_product<Tile>(rows, packed, out_features, [&](int64_t t) { return CentredScales{scales + t * groups * kTile}; });
   return dot_product<Tile>(rows, packed, out_features, [&](int64_t t) {
     return HalfScales{scales + t * groups * kTile, minimums + t * groups * kTile};
   });
