@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp,families,quants}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp,families,quants,perplexity}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -146,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     quants.add_argument("--new-tokens", type=int, default=64)
     quants.add_argument("--repeats", type=int, default=3)
     quants.add_argument("--compile", choices=("auto", "on", "off"), default="on")
+
+    perplexity = command("perplexity", help="kvserve's perplexity beside llama-perplexity's on the same GGUF file and "
+                                             "text, chunked as llama.cpp chunks it")
+    perplexity.add_argument("--gguf", type=Path, required=True, help="the GGUF file both sides read")
+    perplexity.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-perplexity and llama-tokenize")
+    perplexity.add_argument("--ctx", type=int, default=128, help="tokens per chunk (llama-perplexity's -c)")
 
     args = parser.parse_args(argv)
     if args.threads:

@@ -134,3 +134,24 @@ def test_a_bench_without_its_extra_names_the_extra(tmp_path):
                             env=env, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "needs httpx" in result.stderr and '.[bench]' in result.stderr
+
+
+def test_perplexity_chunks_the_text_as_llama_perplexity_does():
+    from bench.perplexity import chunks
+
+    ids = [1] + list(range(100, 109))  # BOS, then 9 tokens: two whole chunks of 4, the rest dropped
+    assert chunks(ids, 4, bos=1) == [[1, 100, 101, 102], [1, 104, 105, 106]]  # each chunk led by BOS
+    assert chunks(ids, 4, bos=None) == [[1, 100, 101, 102], [103, 104, 105, 106]]
+
+
+def test_perplexity_bench_scores_a_gguf_against_its_own_weights_in_float32(tmp_path, tiny_dir):
+    from tests.test_gguf import write_gguf
+
+    write_gguf(tiny_dir, tmp_path / "tiny.gguf")
+    bench(tmp_path, "perplexity", "--gguf", str(tmp_path / "tiny.gguf"), "--ctx", "32")
+    payload = json.loads((tmp_path / "perplexity.json").read_text())
+    assert payload["chunks"] == payload["tokens"] // 32 >= 2
+    scores = payload["kvserve"]
+    assert scores["perplexity"] > 1 and scores["float32 perplexity"] > 1
+    assert 0 <= scores["kl_divergence"] < 0.5 and 0 <= scores["same_top"] <= 1
+    assert "llama.cpp" not in payload and "llama.cpp not run" in (tmp_path / "perplexity.md").read_text()
