@@ -117,7 +117,9 @@ def run(args: argparse.Namespace) -> dict:
     env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
-        files = {gguf.name: measure(gguf, args, threads) for gguf in args.gguf}
+        names = [gguf.name for gguf in args.gguf]  # or folder/name where two files share a name (model.gguf)
+        labels = [f"{g.parent.name}/{g.name}" if names.count(g.name) > 1 else g.name for g in args.gguf]
+        files = {label: measure(gguf, args, threads) for label, gguf in zip(labels, args.gguf)}
     finally:
         os.environ.pop("OMP_NUM_THREADS") if env is None else os.environ.update(OMP_NUM_THREADS=env)
     payload = {"machine": machine(), "threads": threads, "read_rate": read_rate(), "files": files}
