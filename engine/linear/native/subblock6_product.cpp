@@ -51,90 +51,76 @@ struct Codes6Tile {
   }
 };
 
+// superblock_tile's Format: sums[r][0] = Σ_h sc_h·Σ q·x̂ over a super-block's halves h of groups, sums[r][1] =
+// Σ_h sc_h·Σ x̂ (AVX2: the centre comes off once per super-block; with AVX-512 it comes off each half's vpdpbusd
+// sums before the 32-bit multiply, and sums[r][1] stays 0).
 struct SubBlock6Format {
+  using Codes = Codes6Tile;
+  static constexpr int kSums = 2;
+  static constexpr int32_t kCentreShift = 5;  // 32 = Codes6Tile::kCentre
+  static_assert(Codes6Tile::kCentre == 1 << kCentreShift);
   const uint8_t* packed;
   const int8_t* sc;
   const at::Half* d;
   int64_t groups;
 
   template <int R>
-  void run(int64_t t, const QuantizedSuperBlocks& x, int64_t row, float* y, int64_t out) const {
-    constexpr int32_t kCentreShift = 5;  // 32 = Codes6Tile::kCentre
-    static_assert(Codes6Tile::kCentre == 1 << kCentreShift);
-    const int64_t blocks = groups / kSuperBlockGroups, in = groups * kGroup;
-    const uint8_t* codes = packed + t * groups * Codes6Tile::kTileGroupBytes;
-    const int8_t* sct = sc + t * groups * 2 * kTile;
-    const at::Half* dt = d + t * blocks * kTile;
+  void add(int64_t t, int64_t g, int part, const Operand (&w)[8], const QuantizedSuperBlocks& x, int64_t row,
+           Sums (&sums)[R][kSums]) const {
+    const int8_t* scg = sc + (t * groups + g) * 2 * kTile;  // (low half's sc, high half's) per row
+    const int64_t in = groups * kGroup;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-      for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; ++g) {
-        prefetch(codes + g * Codes6Tile::kTileGroupBytes + kPrefetchBytes, Codes6Tile::kTileGroupBytes);
-        Operand w[8];
-        Codes6Tile::operands(codes + g * Codes6Tile::kTileGroupBytes, 0, w);
-        const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sct + 2 * g * kTile)));
-        const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sct + (2 * g + 1) * kTile)));
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
-          const int16_t* halves = x.half_sum.data() + ((row + r) * groups + g) * 2;
-          __m512i low = _mm512_set1_epi32(-Codes6Tile::kCentre * halves[0]);
-          __m512i high = _mm512_set1_epi32(-Codes6Tile::kCentre * halves[1]);
-          for (int k = 0; k < 4; ++k) {  // w[0..3]: inputs 0..15, w[4..7]: 16..31
-            low = _mm512_dpbusd_epi32(low, w[k], _mm512_set1_epi32(four_codes(xq + 4 * k)));
-            high = _mm512_dpbusd_epi32(high, w[k + 4], _mm512_set1_epi32(four_codes(xq + 16 + 4 * k)));
-          }
-          dot[r] = _mm512_add_epi32(dot[r], _mm512_add_epi32(_mm512_mullo_epi32(low, s0), _mm512_mullo_epi32(high, s1)));
-        }
+    const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scg)));
+    const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scg + kTile)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
+      const int16_t* halves = x.half_sum.data() + ((row + r) * groups + g) * 2;
+      __m512i low = _mm512_set1_epi32(-Codes6Tile::kCentre * halves[0]);
+      __m512i high = _mm512_set1_epi32(-Codes6Tile::kCentre * halves[1]);
+      for (int k = 0; k < 4; ++k) {  // w[0..3]: inputs 0..15, w[4..7]: 16..31
+        low = _mm512_dpbusd_epi32(low, w[k], _mm512_set1_epi32(four_codes(xq + 4 * k)));
+        high = _mm512_dpbusd_epi32(high, w[k + 4], _mm512_set1_epi32(four_codes(xq + 16 + 4 * k)));
       }
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + b * kTile)));
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dv, _mm512_set1_ps(x.scale[(row + r) * blocks + b])),
-                                 acc[r]);
+      sums[r][0] = _mm512_add_epi32(sums[r][0], _mm512_add_epi32(_mm512_mullo_epi32(low, s0), _mm512_mullo_epi32(high, s1)));
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * out, acc[r]);
 #else
-    __m256 acc[kParts][R];
-    for (int part = 0; part < kParts; ++part)
-      for (int r = 0; r < R; ++r) acc[part][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int part = 0; part < kParts; ++part) {  // both parts of a super-block while its lines are in cache
-        __m256i dot[R], centre[R];
-        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256(), centre[r] = _mm256_setzero_si256();
-        for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; ++g) {
-          if (part == 0) prefetch(codes + g * Codes6Tile::kTileGroupBytes + kPrefetchBytes, Codes6Tile::kTileGroupBytes);
-          Operand w[8];
-          Codes6Tile::operands(codes + g * Codes6Tile::kTileGroupBytes, part, w);
-          const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sct + 2 * g * kTile + 8 * part));
-          const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sct + (2 * g + 1) * kTile + 8 * part));
-          const __m256i low_scale = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s0));  // sc twice per row, as int16
-          const __m256i high_scale = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s1, s1));
-          const __m256i both_scales = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));  // (sc_low, sc_high) per row
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
-            const auto pairs = [&](int k) {  // int16: Σ of inputs 4k..4k+7's q·x̂ per row
-              return _mm256_add_epi16(_mm256_maddubs_epi16(w[k], _mm256_set1_epi32(four_codes(xq + 4 * k))),
-                                      _mm256_maddubs_epi16(w[k + 1], _mm256_set1_epi32(four_codes(xq + 4 * k + 4))));
-            };
-            const __m256i low = _mm256_add_epi32(_mm256_madd_epi16(pairs(0), low_scale), _mm256_madd_epi16(pairs(2), low_scale));
-            const __m256i high = _mm256_add_epi32(_mm256_madd_epi16(pairs(4), high_scale), _mm256_madd_epi16(pairs(6), high_scale));
-            dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(low, high));
-            const int32_t halves = QuantizedSuperBlocks::pair(x.half_sum.data() + ((row + r) * groups + g) * 2);
-            centre[r] = _mm256_add_epi32(centre[r], _mm256_madd_epi16(both_scales, _mm256_set1_epi32(halves)));
-          }
-        }
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt + b * kTile + 8 * part)));
-        for (int r = 0; r < R; ++r) {
-          const __m256i total = _mm256_sub_epi32(dot[r], _mm256_slli_epi32(centre[r], kCentreShift));
-          acc[part][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
-                                         _mm256_mul_ps(dv, _mm256_set1_ps(x.scale[(row + r) * blocks + b])), acc[part][r]);
-        }
-      }
+    const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scg + kPartRows * part));
+    const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scg + kTile + kPartRows * part));
+    const __m256i low_scale = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s0));  // sc twice per row, as int16
+    const __m256i high_scale = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s1, s1));
+    const __m256i both_scales = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));  // (sc_low, sc_high) per row
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
+      const auto pairs = [&](int k) {  // int16: Σ of inputs 4k..4k+7's q·x̂ per row
+        return _mm256_add_epi16(_mm256_maddubs_epi16(w[k], _mm256_set1_epi32(four_codes(xq + 4 * k))),
+                                _mm256_maddubs_epi16(w[k + 1], _mm256_set1_epi32(four_codes(xq + 4 * k + 4))));
+      };
+      const __m256i low = _mm256_add_epi32(_mm256_madd_epi16(pairs(0), low_scale), _mm256_madd_epi16(pairs(2), low_scale));
+      const __m256i high = _mm256_add_epi32(_mm256_madd_epi16(pairs(4), high_scale), _mm256_madd_epi16(pairs(6), high_scale));
+      sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_add_epi32(low, high));
+      const int32_t halves = QuantizedSuperBlocks::pair(x.half_sum.data() + ((row + r) * groups + g) * 2);
+      sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(both_scales, _mm256_set1_epi32(halves)));
     }
-    for (int part = 0; part < kParts; ++part)
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * out + 8 * part, acc[part][r]);
+#endif
+  }
+
+  // acc += d·e·(sums[0] − 32·sums[1])
+  template <int R>
+  void fold(int64_t t, int64_t b, int part, const QuantizedSuperBlocks& x, int64_t row, Sums (&sums)[R][kSums],
+            Floats (&acc)[R]) const {
+    const int64_t blocks = groups / kSuperBlockGroups, lanes = (t * blocks + b) * kTile + kPartRows * part;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + lanes)));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][0]), _mm512_mul_ps(dv, _mm512_set1_ps(x.scale[(row + r) * blocks + b])),
+                               acc[r]);
+#else
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + lanes)));
+    for (int r = 0; r < R; ++r) {
+      const __m256i total = _mm256_sub_epi32(sums[r][0], _mm256_slli_epi32(sums[r][1], kCentreShift));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(x.scale[(row + r) * blocks + b])),
+                               acc[r]);
+    }
 #endif
   }
 };

@@ -1,6 +1,6 @@
 // What the K-quants' products share (superblock_product.cpp: Q4_K and Q5_K; subblock6_product.cpp: Q6_K): the input
 // rows quantized to 8 bits per super-block of 256, as llama.cpp's Q8_K quantizes them, and the loop over tiles,
-// super-blocks and input rows.
+// super-blocks, their groups and input rows (superblock_tile), into which each type adds its integer sums.
 //
 // One input scale per super-block keeps each super-block's sums in integers: the weights' sub-block scales multiply
 // the integer dot products (vpmaddwd, or a 32-bit multiply with AVX-512), the minimums meet the integer Σ x̂ of their
@@ -63,9 +63,57 @@ struct QuantizedSuperBlocks {
   }
 };
 
-// Every input row times every tile of a K-quant weight, tiles split over torch's threads: Format::run<R>(t, x, row,
-// y, out) writes tile t's 16 outputs of input rows row..row+R-1 (R = kRowsPerPass, then 1), y at the tile's first
-// output of row `row`, out the row stride. Checks what every K-quant product shares.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using Sums = __m512i;  // int32 per output row of a part
+using Floats = __m512;
+inline Sums zero_sums() { return _mm512_setzero_si512(); }
+inline Floats zero_floats() { return _mm512_setzero_ps(); }
+inline void store(float* y, Floats v) { _mm512_storeu_ps(y, v); }
+#else
+using Sums = __m256i;
+using Floats = __m256;
+inline Sums zero_sums() { return _mm256_setzero_si256(); }
+inline Floats zero_floats() { return _mm256_setzero_ps(); }
+inline void store(float* y, Floats v) { _mm256_storeu_ps(y, v); }
+#endif
+constexpr int64_t kPartRows = kTile / kParts;  // output rows per part of a tile
+
+// Tile t's 16 outputs of input rows row..row+R-1 into y (row stride `out`), super-block by super-block and, within
+// one, part by part (both AVX2 parts while the super-block's lines are in cache). What differs between the K-quants
+// is the Format's:
+// - Codes: the code layout (kTileGroupBytes, operands);
+// - add<R>(t, g, part, w, x, row, sums): group g's integer sums of every row into sums[r][0..kSums-1];
+// - fold<R>(t, b, part, x, row, sums, acc): super-block b's sums into the float results acc[r].
+template <typename Format, int R>
+void superblock_tile(const Format& format, int64_t t, const QuantizedSuperBlocks& x, int64_t row, float* y,
+                     int64_t out) {
+  using Codes = typename Format::Codes;
+  const int64_t blocks = format.groups / kSuperBlockGroups;
+  const uint8_t* codes = format.packed + t * format.groups * Codes::kTileGroupBytes;
+  Floats acc[kParts][R];
+  for (int part = 0; part < kParts; ++part)
+    for (int r = 0; r < R; ++r) acc[part][r] = zero_floats();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int part = 0; part < kParts; ++part) {
+      Sums sums[R][Format::kSums];
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < Format::kSums; ++k) sums[r][k] = zero_sums();
+      for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; ++g) {
+        const uint8_t* group = codes + g * Codes::kTileGroupBytes;
+        if (part == 0) prefetch(group + kPrefetchBytes, Codes::kTileGroupBytes);
+        Operand w[8];
+        Codes::operands(group, part, w);
+        format.template add<R>(t, g, part, w, x, row, sums);
+      }
+      format.template fold<R>(t, b, part, x, row, sums, acc[part]);
+    }
+  }
+  for (int part = 0; part < kParts; ++part)
+    for (int r = 0; r < R; ++r) store(y + r * out + kPartRows * part, acc[part][r]);
+}
+
+// Every input row times every tile of a K-quant weight (Format: superblock_tile's), tiles split over torch's
+// threads, input rows kRowsPerPass at a time, then one. Checks what every K-quant product shares.
 template <typename Format>
 at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t out_features, const Format& format) {
   TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
@@ -81,8 +129,8 @@ at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t ou
     for (int64_t t = begin; t < end; ++t) {
       int64_t r = 0;
       for (; r + kRowsPerPass <= m; r += kRowsPerPass)
-        format.template run<kRowsPerPass>(t, x, r, yp + r * padded + t * kTile, padded);
-      for (; r < m; ++r) format.template run<1>(t, x, r, yp + r * padded + t * kTile, padded);
+        superblock_tile<Format, kRowsPerPass>(format, t, x, r, yp + r * padded + t * kTile, padded);
+      for (; r < m; ++r) superblock_tile<Format, 1>(format, t, x, r, yp + r * padded + t * kTile, padded);
     }
   });
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();

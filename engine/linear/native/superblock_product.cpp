@@ -19,8 +19,11 @@
 namespace kvserve {
 namespace {
 
-template <typename Codes>
+// superblock_tile's Format: sums[r][0] = Σ_g sc_g·Σ q·x̂, sums[r][1] = Σ_g mn_g·Σ x̂ over a super-block.
+template <typename CodesT>
 struct SuperBlockFormat {
+  using Codes = CodesT;
+  static constexpr int kSums = 2;
   const uint8_t* packed;
   const uint8_t* sc;
   const uint8_t* mn;
@@ -29,88 +32,69 @@ struct SuperBlockFormat {
   int64_t groups;
 
   template <int R>
-  void run(int64_t t, const QuantizedSuperBlocks& x, int64_t row, float* y, int64_t out) const {
-    const int64_t blocks = groups / kSuperBlockGroups, in = groups * kGroup;
-    const uint8_t* codes = packed + t * groups * Codes::kTileGroupBytes;
-    const uint8_t* sct = sc + t * groups * kTile;
-    const uint8_t* mnt = mn + t * groups * kTile;
-    const at::Half* dt = d + t * blocks * kTile;
-    const at::Half* dmint = dmin + t * blocks * kTile;
+  void add(int64_t t, int64_t g, int part, const Operand (&w)[8], const QuantizedSuperBlocks& x, int64_t row,
+           Sums (&sums)[R][kSums]) const {
+    const uint8_t* scg = sc + (t * groups + g) * kTile;
+    const int64_t in = groups * kGroup;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512i dot[R], mins[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512(), mins[r] = _mm512_setzero_si512();
-      for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; ++g) {
-        prefetch(codes + g * Codes::kTileGroupBytes + kPrefetchBytes, Codes::kTileGroupBytes);
-        Operand w[8];
-        Codes::operands(codes + g * Codes::kTileGroupBytes, 0, w);
-        const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sct + g * kTile)));
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
-          __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains: half the latency
-          for (int k = 0; k < 8; k += 2) {
-            even = _mm512_dpbusd_epi32(even, w[k], _mm512_set1_epi32(four_codes(xq + 4 * k)));
-            odd = _mm512_dpbusd_epi32(odd, w[k + 1], _mm512_set1_epi32(four_codes(xq + 4 * k + 4)));
-          }
-          dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(_mm512_add_epi32(even, odd), s));
-        }
+    const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scg)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains: half the latency
+      for (int k = 0; k < 8; k += 2) {
+        even = _mm512_dpbusd_epi32(even, w[k], _mm512_set1_epi32(four_codes(xq + 4 * k)));
+        odd = _mm512_dpbusd_epi32(odd, w[k + 1], _mm512_set1_epi32(four_codes(xq + 4 * k + 4)));
       }
-      for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; g += 2) {
-        // (mn_g, mn_g+1) as two int16 per row, against (Σ x̂_g, Σ x̂_g+1)
-        const __m128i m0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mnt + g * kTile));
-        const __m128i m1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mnt + (g + 1) * kTile));
-        const __m512i m = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(m0, m1), _mm_unpacklo_epi8(m0, m1)));
-        for (int r = 0; r < R; ++r)
-          mins[r] = _mm512_add_epi32(mins[r], _mm512_madd_epi16(m, _mm512_set1_epi32(
-                                                  QuantizedSuperBlocks::pair(x.group_sum.data() + (row + r) * groups + g))));
-      }
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + b * kTile)));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmint + b * kTile)));
-      for (int r = 0; r < R; ++r) {
-        const __m512 e = _mm512_set1_ps(x.scale[(row + r) * blocks + b]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dv, e), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(mv, e), acc[r]);
-      }
+      sums[r][0] = _mm512_add_epi32(sums[r][0], _mm512_mullo_epi32(_mm512_add_epi32(even, odd), s));
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * out, acc[r]);
 #else
-    __m256 acc[kParts][R];
-    for (int part = 0; part < kParts; ++part)
-      for (int r = 0; r < R; ++r) acc[part][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int part = 0; part < kParts; ++part) {  // both parts of a super-block while its lines are in cache
-        __m256i dot[R], mins[R];
-        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256(), mins[r] = _mm256_setzero_si256();
-        for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; ++g) {
-          if (part == 0) prefetch(codes + g * Codes::kTileGroupBytes + kPrefetchBytes, Codes::kTileGroupBytes);
-          Operand w[8];
-          Codes::operands(codes + g * Codes::kTileGroupBytes, part, w);
-          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sct + g * kTile + 8 * part));
-          const __m256i s = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8));  // sc twice per row, as int16
-          for (int r = 0; r < R; ++r)
-            dot[r] = _mm256_add_epi32(dot[r], pair_sums<Codes>(w, x.codes.data() + (row + r) * in + g * kGroup, s));
-        }
-        for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; g += 2) {
-          const __m128i m0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mnt + g * kTile + 8 * part));
-          const __m128i m1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mnt + (g + 1) * kTile + 8 * part));
-          const __m256i m = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));  // (mn_g, mn_g+1) per row
-          for (int r = 0; r < R; ++r)
-            mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(m, _mm256_set1_epi32(
-                                                    QuantizedSuperBlocks::pair(x.group_sum.data() + (row + r) * groups + g))));
-        }
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt + b * kTile + 8 * part)));
-        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dmint + b * kTile + 8 * part)));
-        for (int r = 0; r < R; ++r) {
-          const __m256 e = _mm256_set1_ps(x.scale[(row + r) * blocks + b]);
-          acc[part][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dv, e), acc[part][r]);
-          acc[part][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(mv, e), acc[part][r]);
-        }
-      }
+    const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scg + kPartRows * part));
+    const __m256i s = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8));  // sc twice per row, as int16
+    for (int r = 0; r < R; ++r)
+      sums[r][0] = _mm256_add_epi32(sums[r][0], pair_sums<Codes>(w, x.codes.data() + (row + r) * in + g * kGroup, s));
+#endif
+  }
+
+  // The minimums' sums two groups at a time, (mn_g, mn_g+1) against (Σ x̂_g, Σ x̂_g+1) by one vpmaddwd per row,
+  // then acc += d·e·sums[0] − dmin·e·sums[1].
+  template <int R>
+  void fold(int64_t t, int64_t b, int part, const QuantizedSuperBlocks& x, int64_t row, Sums (&sums)[R][kSums],
+            Floats (&acc)[R]) const {
+    const int64_t blocks = groups / kSuperBlockGroups, lanes = (t * blocks + b) * kTile + kPartRows * part;
+    for (int64_t g = b * kSuperBlockGroups; g < (b + 1) * kSuperBlockGroups; g += 2) {
+      const uint8_t* mng = mn + (t * groups + g) * kTile + kPartRows * part;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      const __m128i m0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mng));
+      const __m128i m1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mng + kTile));
+      const __m512i m = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(m0, m1), _mm_unpacklo_epi8(m0, m1)));
+      for (int r = 0; r < R; ++r)
+        sums[r][1] = _mm512_add_epi32(sums[r][1], _mm512_madd_epi16(m, _mm512_set1_epi32(
+                                                      QuantizedSuperBlocks::pair(x.group_sum.data() + (row + r) * groups + g))));
+#else
+      const __m128i m0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mng));
+      const __m128i m1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mng + kTile));
+      const __m256i m = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));  // (mn_g, mn_g+1) per row
+      for (int r = 0; r < R; ++r)
+        sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(m, _mm256_set1_epi32(
+                                                      QuantizedSuperBlocks::pair(x.group_sum.data() + (row + r) * groups + g))));
+#endif
     }
-    for (int part = 0; part < kParts; ++part)
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * out + 8 * part, acc[part][r]);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + lanes)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmin + lanes)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 e = _mm512_set1_ps(x.scale[(row + r) * blocks + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][0]), _mm512_mul_ps(dv, e), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(sums[r][1]), _mm512_mul_ps(mv, e), acc[r]);
+    }
+#else
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + lanes)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dmin + lanes)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 e = _mm256_set1_ps(x.scale[(row + r) * blocks + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][0]), _mm256_mul_ps(dv, e), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums[r][1]), _mm256_mul_ps(mv, e), acc[r]);
+    }
 #endif
   }
 };
