@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.linear.planner import served_by_type, summary
-from server import generation, openai_api, tgi
+from server import anthropic_api, generation, openai_api, tgi
 from server.errors import APIError, GenerationFailed, error_response
 from server.metrics import Metrics
 from server.openapi import OPEN_PATHS, install_openapi
@@ -50,6 +50,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
         install_playground(app)
     app.include_router(tgi.create_router())
     app.include_router(openai_api.create_router())
+    app.include_router(anthropic_api.create_router())
     install_openapi(app)
 
     @app.get("/health")
@@ -201,19 +202,22 @@ def install_playground(app: FastAPI) -> None:
 def install_api_key(app: FastAPI, key: str, metrics: Metrics) -> None:
     expected = key.encode()
 
-    def authorized(header: str | None) -> bool:
-        """'Bearer KEY', the scheme in any case (RFC 7235); the key compared in constant time."""
-        scheme, _, credentials = (header or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), expected)
+    def authorized(request: Request) -> bool:
+        """'Authorization: Bearer KEY', the scheme in any case (RFC 7235), or 'x-api-key: KEY' (Anthropic's
+        clients); the key compared in constant time."""
+        scheme, _, credentials = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), expected):
+            return True
+        return hmac.compare_digest((request.headers.get("x-api-key") or "").strip().encode(), expected)
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):  # the playground's files are open: it asks for the key
         page = request.method == "GET" and (request.url.path == "/" or request.url.path.startswith("/ui/"))
-        if request.url.path in OPEN_PATHS or page or authorized(request.headers.get("authorization")):
+        if request.url.path in OPEN_PATHS or page or authorized(request):
             return await call_next(request)
         metrics.failures.labels(reason="unauthorized").inc()
-        return error_response(request.url.path, 401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                              "unauthorized")
+        return error_response(request.url.path, 401, "missing or wrong API key (send 'Authorization: Bearer KEY' "
+                              "or 'x-api-key: KEY')", "unauthorized")
 
 
 class BodyLimit:

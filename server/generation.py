@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 
 from engine import InvalidParameter, SamplingParams, TokenEvent
+from server import tool_calls
+from server.conversation import Conversation
 from server.errors import APIError, GenerationFailed
 from server.metrics import Metrics
 from server.runner import EngineRunner, Failure, NotReady, Overloaded, Stream
@@ -82,6 +84,34 @@ class Generation:
         self.stream.queue.put_nowait(Failure("client disconnected", 499, "client_disconnect"))
 
 
+class StopTrimmer:
+    """OpenAI and Anthropic exclude the stop string from the text: hold back what might be its beginning."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.hold = max(map(len, stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def push(self, event: TokenEvent) -> str:
+        self.text += event.text
+        if event.stop_string is not None:
+            end = self.text.find(event.stop_string)
+        elif event.finish_reason is not None:
+            end = len(self.text)
+        else:
+            end = len(self.text) - self.hold
+        piece = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece
+
+
+def trimmed_text(events: list[TokenEvent], stops: tuple[str, ...]) -> str:
+    """A whole reply's text as its stream sends it: up to, not including, the stop string that ended it (one
+    trimmer over all the events: each event's text may hold the start of a stop string the next completes)."""
+    trimmer = StopTrimmer(stops)
+    return "".join(trimmer.push(e) for e in events)
+
+
 async def tokenize_prompt(runner: EngineRunner, text: str, parse_special: bool) -> list[int]:
     """The prompt's ids, tokenized on a worker thread (a long text takes seconds, and the event loop serves every
     stream). Special-token strings in it are text unless `parse_special`."""
@@ -100,6 +130,23 @@ async def tokenize_chat(runner: EngineRunner, messages: list[dict], parse_specia
     except Exception as e:  # a template that raises on these messages is the client's to fix
         raise APIError(422, f"the chat template could not render these messages: {e}", "validation") from None
     return nonempty(ids)
+
+
+def conversation(runner: EngineRunner, tool_call_parser: str, build: Callable[[str], Conversation]) -> Conversation:
+    """A chat-shaped request's Conversation, built by `build(tool format)` with the format the served model writes
+    its calls in (tool_calls.chosen: from --tool-call-parser and the chat template); its errors are 422s."""
+    ensure_ready(runner)
+    tokenizer = runner.engine.tokenizer
+    source = tokenizer.chat_template and tokenizer.chat_template.source
+    form = tool_calls.chosen(tool_call_parser, source, tokenizer.template_takes_tools)
+    return validated(lambda: build(form))
+
+
+async def tokenize_conversation(runner: EngineRunner, chat: Conversation, parse_special: bool) -> list[int]:
+    """The conversation as the chat template renders it (tools through the template or offered in a system
+    message), tokenized as tokenize_chat does."""
+    messages, tools = chat.rendered(runner.engine.tokenizer.template_takes_tools)
+    return await tokenize_chat(runner, messages, parse_special, tools)
 
 
 def check_length(runner: EngineRunner, characters: int) -> None:
@@ -150,6 +197,15 @@ def start(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], params:
         raise APIError(503, str(e), "unavailable", {"Retry-After": "5"}) from None
     metrics.prompt_tokens.inc(len(prompt_ids))
     return Generation(runner, metrics, stream)
+
+
+async def admit(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int], sampling: Callable[[], SamplingParams],
+                n: int = 1, name: str = "n") -> list[Generation]:
+    """Every route's admission: the request's parameters (`sampling()`, whose InvalidParameter is a 422), its
+    grammar compiled, then its n sequences started (start_sequences)."""
+    params = validated(sampling)
+    await compile_grammar(runner, params)
+    return start_sequences(runner, metrics, prompt_ids, params, n, name)
 
 
 async def compile_grammar(runner: EngineRunner, params: SamplingParams) -> None:

@@ -12,34 +12,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import FinishReason, TokenEvent, Tokenizer
-from server import generation, sse, tool_calls
+from server import generation, sse
+from server.conversation import Conversation
+from server.generation import StopTrimmer
 from server.errors import APIError, error_body
 from server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
 
 OPENAI_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop",
                  FinishReason.ABORT: "stop"}
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class StopTrimmer:
-    """OpenAI excludes the stop string from the text: hold back what might be its beginning."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.hold = max(map(len, stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-
-    def push(self, event: TokenEvent) -> str:
-        self.text += event.text
-        if event.stop_string is not None:
-            end = self.text.find(event.stop_string)
-        elif event.finish_reason is not None:
-            end = len(self.text)
-        else:
-            end = len(self.text) - self.hold
-        piece = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return piece
 
 
 def usage(gens: list[generation.Generation]) -> dict:
@@ -54,11 +35,9 @@ def model_name(request: Request) -> str:
 
 
 async def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None,
-                default: int) -> list[generation.Generation]:
+                default: int, chat: Conversation | None = None) -> list[generation.Generation]:
     runner, metrics = request.app.state.runner, request.app.state.metrics
-    params = generation.validated(lambda: body.sampling(max_tokens, default))
-    await generation.compile_grammar(runner, params)
-    return generation.start_sequences(runner, metrics, prompt_ids, params, body.n, "n")
+    return await generation.admit(runner, metrics, prompt_ids, lambda: body.sampling(max_tokens, default, chat), body.n)
 
 
 async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
@@ -158,7 +137,7 @@ class Reply:
         """The response to a request that did not stream: every choice complete, and the usage."""
         choices = []
         for index, gen in enumerate(gens):
-            text = "".join(StopTrimmer(self.body.stops).push(e) for e in gen.events)
+            text = generation.trimmed_text(gen.events, self.body.stops)
             choices.append(self.choice(index).complete(text, OPENAI_FINISH[gen.events[-1].finish_reason], gen.events))
         return self.envelope(self.object, choices) | {"usage": usage(gens)}
 
@@ -259,6 +238,10 @@ class CompletionText(ChoiceText):
 class ChatReply(Reply):
     object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
+    def __init__(self, body: ChatCompletionRequest, request: Request, tokenizer: Tokenizer, chat: Conversation):
+        super().__init__(body, request, tokenizer)
+        self.chat = chat
+
     def choice(self, index: int) -> "ChatText":
         return ChatText(self, index)
 
@@ -279,7 +262,7 @@ class ChatText(ChoiceText):
         return chat_logprobs(events, self.reply.tokenizer) if self.reply.body.logprobs and events else None
 
     def delta(self, text, finish, events) -> dict | None:
-        if self.reply.body.calls_tools and text is not None:
+        if self.reply.chat.calls_tools and text is not None:
             self.held += text
             if finish is None:
                 return None  # the reply's loop keeps these tokens pending: at the end `events` holds them all
@@ -296,9 +279,7 @@ class ChatText(ChoiceText):
 
     def message(self, text: str, finish: str) -> dict:
         """The assistant message of a whole reply (with "finish", its finish reason): tool calls read from it."""
-        if not self.reply.body.calls_tools:
-            return {"role": "assistant", "content": text, "finish": finish}
-        content, calls = tool_calls.parse(text, self.reply.body.tool_format)
+        content, calls = self.reply.chat.reply(text)
         if not calls:
             return {"role": "assistant", "content": content, "finish": finish}
         return {"role": "assistant", "content": content, "tool_calls": calls,
@@ -344,15 +325,11 @@ async def completions(body: CompletionRequest, request: Request):
 
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     runner = request.app.state.runner
-    generation.ensure_ready(runner)
-    tokenizer, parser = runner.engine.tokenizer, request.app.state.settings.tool_call_parser
-    takes_tools = tokenizer.template_takes_tools
-    body.use_tool_format(tool_calls.chosen(parser, tokenizer.chat_template and tokenizer.chat_template.source, takes_tools))
-    messages, tools = body.rendered_messages(takes_tools)
-    prompt_ids = await generation.tokenize_chat(runner, messages, body.parse_special, tools)
+    chat = generation.conversation(runner, request.app.state.settings.tool_call_parser, body.conversation)
+    prompt_ids = await generation.tokenize_conversation(runner, chat, body.parse_special)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    gens = await admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)))
-    return await answer(ChatReply(body, request, runner.engine.tokenizer), gens, request)
+    gens = await admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)), chat)
+    return await answer(ChatReply(body, request, runner.engine.tokenizer, chat), gens, request)
 
 
 def create_router() -> APIRouter:

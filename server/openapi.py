@@ -1,8 +1,8 @@
 """The OpenAPI schema as the server behaves: every error status a route can answer, with the JSON body it sends,
 and `text/event-stream` where a route streams.
 
-FastAPI documents 200 and its own 422 body; kvserve answers 400 under /v1 (OpenAI's shape), 401, 413, 429, 503
-and 504 too, and streams Server-Sent Events.
+FastAPI documents 200 and its own 422 body; kvserve answers 400 under /v1 (OpenAI's shape, Anthropic's under
+/v1/messages), 401, 413, 429, 503 and 504 too, and streams Server-Sent Events.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ERRORS = {  # status -> when
     "503": "the model is loading, failed, or no slot freed within --max-queue-wait (Retry-After)",
     "504": "the request ran past --request-timeout",
 }
-STREAMING = {"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"}
+STREAMING = {"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions", "/v1/messages"}
 ERROR_BODIES = {
     "TGIError": {"type": "object", "required": ["error", "error_type"],
                  "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}},
@@ -25,6 +25,9 @@ ERROR_BODIES = {
         "type": "object", "required": ["message", "type"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
+                                              "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}},
 }
 OPEN_PATHS = {"/health", "/metrics"}  # never behind the API key
 
@@ -67,6 +70,13 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
         "logprobs": {"anyOf": [{"type": "null"}, obj({"content": array(
             obj(CHAT_LOGPROB["properties"] | {"top_logprobs": array(CHAT_LOGPROB)}))})]}})),
         "usage": USAGE}),
+    "Message": obj({"id": STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": STR,
+                    "content": array({"anyOf": [obj({"type": {"const": "text"}, "text": STR}),
+                                                obj({"type": {"const": "tool_use"}, "id": STR, "name": STR,
+                                                     "input": {"type": "object"}})]}),
+                    "stop_reason": STR, "stop_sequence": MAYBE_STR,
+                    "usage": obj({"input_tokens": INT, "output_tokens": INT, "cache_read_input_tokens": INT})}),
+    "TokenCount": obj({"input_tokens": INT}),
     "ModelList": obj({"object": STR, "data": array(obj({"id": STR, "object": STR, "created": INT, "owned_by": STR},
                                                          {"max_model_len": INT}))}),
     "Info": obj({"model_id": STR, "dtype": STR, "device": STR, "max_batch_size": INT, "max_seq_len": INT,
@@ -85,6 +95,7 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
 }
 RESPONSES = {"/generate": "TGIGenerated", "/": "TGIGenerated", "/tokenize": "Tokens", "/detokenize": "Detokenized",
              "/v1/completions": "Completion", "/v1/chat/completions": "ChatCompletion", "/v1/models": "ModelList",
+             "/v1/messages": "Message", "/v1/messages/count_tokens": "TokenCount",
              "/info": "Info", "/health": "Health", "/slots": "Slots"}
 # One Server-Sent Event as a client parses it (OpenAPI 3.1 has a streamed media type's schema describe each event):
 # a JSON object in `data`, or `[DONE]` to end an OpenAI stream; TGI names its events.
@@ -105,7 +116,7 @@ def install_openapi(app: FastAPI) -> None:
 def described(schema: dict) -> dict:
     schema.setdefault("components", {}).setdefault("schemas", {}).update(ERROR_BODIES | RESPONSE_BODIES)
     for path, operations in schema["paths"].items():
-        body = "OpenAIError" if path.startswith("/v1") else "TGIError"
+        body = "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError" if path.startswith("/v1") else "TGIError"
         error = {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}
         for method, operation in operations.items():
             responses = operation["responses"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from engine import SamplingParams
 from engine.grammar import choice_grammar, json_object_grammar, json_schema_grammar, lark_grammar, regex_grammar
 from engine.sampling import BOUNDS, InvalidParameter
-from server import tool_calls
+from server.conversation import Conversation, Turn
 
 
 class Strict(BaseModel):
@@ -241,7 +241,10 @@ class OpenAISampling(BaseModel):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def sampling(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, default_max_tokens: int,
+                 conversation: Conversation | None = None) -> SamplingParams:
+        """The engine's parameters; with a conversation, its grammar (a forced tool call) over the response format."""
+        grammar = self.grammar() if conversation is None else conversation.grammar(self.grammar())
         return SamplingParams(
             max_new_tokens=max_tokens or default_max_tokens,
             temperature=self.temperature if self.temperature is not None else 1.0,
@@ -256,7 +259,7 @@ class OpenAISampling(BaseModel):
             ignore_eos=self.ignore_eos,
             top_logprobs=self.top_alternatives,
             prompt_logprobs=self.scores_prompt,
-            grammar=self.grammar(),
+            grammar=grammar,
         )
 
     def grammar(self) -> str | None:
@@ -376,77 +379,23 @@ class ChatCompletionRequest(OpenAISampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    _tool_format: str = PrivateAttr(default="hermes")  # how this model writes calls: the server's choice, per model
 
     @model_validator(mode="after")
     def _consistent(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) < len(names):
-            raise ValueError("two tools have the same name")
-        if isinstance(self.tool_choice, ToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not among "
-                             f"the tools ({', '.join(map(repr, names)) or 'none given'})")
-        if self.tool_choice == "required" and not names:
-            raise ValueError('tool_choice "required" needs tools')
         return self
-
-    @property
-    def calls_tools(self) -> bool:
-        """Whether the reply is read for tool calls: tools offered, and tool_choice not "none"."""
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def tool_format(self) -> str:
-        return self._tool_format
-
-    def use_tool_format(self, form: str) -> None:
-        """The format (tool_calls.PARSERS) the model writes its calls in, known once the model is."""
-        self._tool_format = form
-
-    @property
-    def forced_function(self) -> str | None:
-        return self.tool_choice.function.name if isinstance(self.tool_choice, ToolChoice) else None
-
-    def grammar(self) -> str | None:
-        """With tool_choice "required" or a named function, a grammar that makes the reply calls only."""
-        constraint = super().grammar()
-        if self.tool_choice != "required" and self.forced_function is None:
-            return constraint
-        if constraint is not None:
-            raise InvalidParameter("a tool_choice that forces a call cannot be combined with a response format")
-        return tool_calls.grammar([t.model_dump(exclude_none=True) for t in self.tools], self.forced_function,
-                                  parallel=self.parallel_tool_calls is not False and self.forced_function is None,
-                                  form=self._tool_format)
 
     @property
     def top_alternatives(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
 
-    def rendered_messages(self, template_takes_tools: bool) -> tuple[list[dict], list[dict] | None]:
-        """(the messages as the chat template reads them, the tools for its `tools` variable or None).
-
-        A template without `tools` gets them as a system message (after any of the client's), and earlier calls
-        as the text the model writes for them."""
-        messages = []
+    def conversation(self, tool_format: str) -> Conversation:
+        """The messages and tools as one Conversation; `tool_format`: how the served model writes calls."""
+        turns = []
         for m in self.messages:
-            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
-            if m.tool_calls:
-                calls = [c.model_dump() for c in m.tool_calls]
-                if template_takes_tools:
-                    message["tool_calls"] = [c | {"function": c["function"] | {"arguments": tool_calls.arguments(c)}}
-                                             for c in calls]
-                else:
-                    message["content"] = "\n".join(filter(None, [m.text, tool_calls.as_text(calls)]))
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            messages.append(message)
-        if not self.calls_tools:
-            return messages, None
-        tools = [t.model_dump(exclude_none=True) for t in self.tools]
-        if template_takes_tools:
-            return messages, tools
-        system = [m for m in messages if m["role"] == "system"]
-        offer = {"role": "system", "content": "\n\n".join([*(m["content"] for m in system), tool_calls.preamble(tools)])}
-        return [offer, *(m for m in messages if m["role"] != "system")], None
+            calls = tuple(c.model_dump() for c in m.tool_calls or ())
+            turns.append(Turn("system" if m.role == "developer" else m.role, m.text, calls, m.tool_call_id))
+        choice = self.tool_choice.function.name if isinstance(self.tool_choice, ToolChoice) else self.tool_choice
+        return Conversation(tuple(turns), tuple(t.model_dump(exclude_none=True) for t in self.tools or ()),
+                            choice or "auto", self.parallel_tool_calls is not False, tool_format)

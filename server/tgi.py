@@ -54,11 +54,10 @@ async def admit(body: GenerateRequest, request: Request) -> tuple[list[generatio
     if body.parameters.truncate:
         prompt_ids = prompt_ids[-body.parameters.truncate:]
     default = max(1, min(DEFAULT_MAX_NEW_TOKENS, generation.room(runner, prompt_ids)))
-    params = generation.validated(lambda: body.parameters.sampling(default))
-    await generation.compile_grammar(runner, params)
     prefix = body.inputs if body.parameters.return_full_text else ""
-    n = body.parameters.best_of or 1
-    return generation.start_sequences(runner, metrics, prompt_ids, params, n, "best_of"), prefix
+    gens = await generation.admit(runner, metrics, prompt_ids, lambda: body.parameters.sampling(default),
+                                  body.parameters.best_of or 1, "best_of")
+    return gens, prefix
 
 
 def likeliest(gens: list[generation.Generation]) -> generation.Generation:

@@ -82,7 +82,7 @@ def test_a_conversation_with_calls_and_results_renders_both_ways():
                      {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
     body = ChatCompletionRequest.model_validate({"messages": history, "tools": [WEATHER]})
     # A template without `tools`: the tools in a system message, the earlier call as the text the model writes.
-    messages, tools = body.rendered_messages(template_takes_tools=False)
+    messages, tools = body.conversation("hermes").rendered(template_takes_tools=False)
     assert tools is None and messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
     assert '"city": "Paris"' in messages[2]["content"] and messages[3] == {
         "role": "tool", "content": "18 degrees, sunny", "tool_call_id": "call_1"}
@@ -91,7 +91,7 @@ def test_a_conversation_with_calls_and_results_renders_both_ways():
                             "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments.city }}>"
                             "{% endfor %}{{ m.content or '' }}|{% endfor %}")
     assert template.takes_tools
-    messages, tools = body.rendered_messages(template_takes_tools=True)
+    messages, tools = body.conversation("hermes").rendered(template_takes_tools=True)
     assert template.render(messages, tools=tools) == (
         "[get_weather]What is the weather in Paris?|<get_weather Paris>|18 degrees, sunny|")
 

@@ -1,0 +1,166 @@
+"""Request bodies of Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), read into a Conversation.
+
+Types are strict, as everywhere in kvserve. Unknown fields are ignored, not refused: Claude Code and the
+`anthropic` SDK send beta fields (cache_control on blocks, context_management, betas, ...) that change nothing
+a local server does."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+from engine import SamplingParams
+from engine.sampling import BOUNDS, InvalidParameter
+from server.conversation import Conversation, Turn
+
+
+class Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextBlock(Loose):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(Loose):
+    """An assistant turn's call."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+class ToolResultBlock(Loose):
+    """A user turn's answer to a call: text, or text blocks."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: StrictBool = False
+
+    @property
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(Loose):
+    """An earlier turn's reasoning, as a client sends it back: not shown to the model again (as Anthropic's own
+    models drop earlier turns' thinking)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock], Field(discriminator="type")]
+
+
+class MessageParam(Loose):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolParam(Loose):
+    """A client tool. Anthropic's server tools (web search, ...) have a `type` of their own: kvserve runs none."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    input_schema: dict
+    type: Literal["custom"] | None = None
+
+    def openai(self) -> dict:
+        """The same tool as OpenAI's function tool object, the form a Conversation holds."""
+        function = {"name": self.name, "parameters": self.input_schema}
+        return {"type": "function", "function": function | ({"description": self.description} if self.description else {})}
+
+
+class ToolChoiceParam(Loose):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: StrictBool = False
+
+    @model_validator(mode="after")
+    def _named_when_tool(self):
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError('tool_choice needs a name exactly when its type is "tool"')
+        return self
+
+    @property
+    def choice(self) -> str:
+        """As a Conversation says it: auto, none, required, or the function's name."""
+        return {"auto": "auto", "none": "none", "any": "required"}.get(self.type, self.name)
+
+
+class ThinkingParam(Loose):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+
+class MetadataParam(Loose):
+    user_id: str | None = None
+
+
+class CountTokensRequest(Loose):
+    """What a Messages request says about its prompt: enough to count it."""
+
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingParam | None = None
+
+    @property
+    def system_text(self) -> str:
+        if isinstance(self.system, list):
+            return "\n\n".join(b.text for b in self.system)
+        return self.system or ""
+
+    def conversation(self, tool_format: str) -> Conversation:
+        """The turns as a Conversation: tool_use blocks become the assistant's calls, tool_result blocks tool turns
+        (before the user's own text of that turn, which follows the results)."""
+        turns = [Turn("system", self.system_text)] if self.system_text else []
+        for m in self.messages:
+            blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+            text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+            if m.role == "assistant":
+                calls = tuple({"id": b.id, "type": "function", "function": {
+                    "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                    for b in blocks if isinstance(b, ToolUseBlock))
+                turns.append(Turn("assistant", text, calls))
+                continue
+            if any(isinstance(b, ToolUseBlock) for b in blocks):
+                raise InvalidParameter("tool_use blocks belong to assistant messages")
+            turns += [Turn("tool", b.text, call_id=b.tool_use_id) for b in blocks if isinstance(b, ToolResultBlock)]
+            if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                turns.append(Turn("user", text))
+        choice = self.tool_choice or ToolChoiceParam(type="auto")
+        return Conversation(tuple(turns), tuple(t.openai() for t in self.tools or ()), choice.choice,
+                            not choice.disable_parallel_tool_use, tool_format)
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(**BOUNDS["max_new_tokens"].field())
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
+    stream: StrictBool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range
+    top_p: float | None = Field(default=None, **BOUNDS["top_p"].field())
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: MetadataParam | None = None
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop_sequences or ())
+
+    def sampling(self, chat: Conversation) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_tokens,
+            temperature=self.temperature if self.temperature is not None else 1.0,  # Anthropic's default
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            top_k=self.top_k or 0,
+            stop=self.stops,
+            grammar=chat.grammar(None),
+        )
