@@ -73,9 +73,11 @@ class Tokenizer:
         backend = self.backend if parse_special else self.text_backend
         return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
-    def encode_chat(self, messages: list[dict], parse_special: bool = False, tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], parse_special: bool = False, tools: list[dict] | None = None,
+                    variables: dict | None = None) -> list[int]:
         """The chat template's rendering of `messages`, tokenized: the template's own markers as special tokens,
         and, without `parse_special`, the messages' text as text, so a user cannot type a turn of their own.
+        `variables`: more of the template's variables (a request's chat_template_kwargs, e.g. enable_thinking).
 
         Each message's content is rendered as a placeholder, the rendering split there, and the pieces tokenized
         each by its own rule. A template that changes content beyond recognition gets the plain rendering.
@@ -84,10 +86,10 @@ class Tokenizer:
         if parse_special or not any(self.reads_special(text) for text in contents):
             # Nothing typed that could read as a marker: the whole rendering at once, as transformers tokenizes it
             # (tokenized piece by piece, SentencePiece would begin each piece as a new text, with its space mark).
-            return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+            return self.encode(self.render_chat(messages, tools=tools, variables=variables), add_special_tokens=False)
         marks = [f"\x00{i}\x00" for i in range(len(messages))]
         marked = [m | {"content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)]
-        rendered = self.render_chat(marked, tools=tools)
+        rendered = self.render_chat(marked, tools=tools, variables=variables)
         pieces, ids = [], []
         for mark, message in zip(marks, marked):
             if message["content"] != mark:
@@ -95,7 +97,7 @@ class Tokenizer:
             before, found, rendered = rendered.partition(mark)
             if not found or mark in rendered:  # dropped or repeated by the template
                 log.warning("the chat template changes message content; special tokens typed in it stay special")
-                return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+                return self.encode(self.render_chat(messages, tools=tools, variables=variables), add_special_tokens=False)
             pieces += [(before, True), (messages[marks.index(mark)]["content"], False)]
         for text, special in [*pieces, (rendered, True)]:
             if text:
@@ -109,11 +111,13 @@ class Tokenizer:
         """One token's text on its own, special tokens included; part of a UTF-8 character decodes to U+FFFD."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
-        """The chat template's text for `messages`; `tools` (OpenAI's tool objects) go to its `tools` variable."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    variables: dict | None = None) -> str:
+        """The chat template's text for `messages`; `tools` (OpenAI's tool objects) go to its `tools` variable,
+        `variables` to variables of their own names (never over messages, tools or the template's own)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use the completions routes")
-        extra = {} if tools is None else {"tools": tools}
+        extra = dict(variables or {}) | ({} if tools is None else {"tools": tools})
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     @property

@@ -16,10 +16,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.linear.planner import served_by_type, summary
-from server import anthropic_api, generation, openai_api, tgi
+from server import anthropic_api, generation, openai_api, responses_api, tgi
 from server.errors import APIError, GenerationFailed, error_response
 from server.metrics import Metrics
 from server.openapi import OPEN_PATHS, install_openapi
+from server.response_store import ResponseStore
 from server.runner import EngineRunner
 from server.schemas import DetokenizeRequest, TokenizeRequest
 from server.settings import Settings
@@ -42,6 +43,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.runner, app.state.metrics, app.state.settings = runner, metrics, settings
     app.state.started = int(time.time())
+    app.state.responses = ResponseStore(settings.responses_store, settings.responses_store_bytes)
     install_error_handlers(app, metrics)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, metrics=metrics)
     if settings.api_key:
@@ -51,6 +53,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
     app.include_router(tgi.create_router())
     app.include_router(openai_api.create_router())
     app.include_router(anthropic_api.create_router())
+    app.include_router(responses_api.create_router())
     install_openapi(app)
 
     @app.get("/health")

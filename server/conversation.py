@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling import InvalidParameter
-from server import tool_calls
+from server import reasoning, tool_calls
+
+# The chat template's own variables, which a request's chat_template_kwargs may not replace.
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,13 @@ class Conversation:
     tools: tuple[dict, ...] = ()
     tool_choice: str = "auto"
     parallel: bool = True
-    # How this model writes calls (tool_calls.PARSERS): the server's choice for the model, not the client's.
+    # How this model writes calls (tool_calls.PARSERS) and its reasoning (reasoning.PARSERS): the server's choice
+    # for the model, not the client's.
     tool_format: str = field(default="hermes", compare=False)
+    reasoning_format: str = field(default="none", compare=False)
+    # More of the chat template's variables (chat_template_kwargs: enable_thinking, ...).
+    template_variables: dict = field(default_factory=dict, compare=False)
+    reasoning_budget: int | None = None  # tokens the reasoning may take (Anthropic's budget_tokens), at most
 
     def __post_init__(self):
         if not self.turns:
@@ -46,6 +54,8 @@ class Conversation:
             raise InvalidParameter("two tools have the same name")
         if self.tool_choice == "required" and not names:
             raise InvalidParameter("a reply that must call a tool needs tools")
+        if reserved := [k for k in self.template_variables if k in TEMPLATE_OWN]:
+            raise InvalidParameter(f"chat_template_kwargs may not set the template's own {', '.join(reserved)}")
         if self.forced_function is not None and self.forced_function not in names:
             raise InvalidParameter(f"the tool choice names the function {self.forced_function!r}, which is not among "
                                    f"the tools ({', '.join(map(repr, names)) or 'none given'})")
@@ -100,3 +110,41 @@ class Conversation:
         if not self.calls_tools:
             return text, []
         return tool_calls.parse(text, self.tool_format)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A conversation as rendered for the served model: its token ids, and whether the prompt leaves a `<think>`
+    open, which with the model's reasoning format says where its reply starts."""
+
+    chat: Conversation
+    ids: list[int]
+    opened: bool  # the rendered prompt ends inside a <think> (reasoning.opened_by)
+
+    @property
+    def inside_reasoning(self) -> bool:
+        return self.chat.reasoning_format == "deepseek_r1" or self.opened
+
+    def grammar(self, constraint: str | None) -> str | None:
+        """The conversation's grammar (Conversation.grammar), applied to the answer only: the reasoning before
+        `</think>` stays free."""
+        grammar, budget = self.chat.grammar(constraint), self.chat.reasoning_budget
+        if (grammar is None and budget is None) or self.chat.reasoning_format == "none":
+            return grammar
+        characters = None if budget is None else budget * reasoning.CHARACTERS_PER_TOKEN
+        return reasoning.after_reasoning(grammar, self.inside_reasoning, characters)
+
+    def reasoning(self) -> reasoning.Reasoning | None:
+        """A split of this reply's text into reasoning and answer, or None where the model has no reasoning."""
+        if self.chat.reasoning_format == "none":
+            return None
+        return reasoning.Reasoning(inside=self.inside_reasoning)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(the reasoning, or None where the reply had none; the answer) of a whole reply."""
+        split = self.reasoning()
+        if split is None:
+            return None, text
+        split.push(text)
+        split.finish()
+        return (split.reasoning if split.entered else None), split.answer

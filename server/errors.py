@@ -19,7 +19,8 @@ class GenerationFailed(APIError):
     """A request that failed after it was accepted; counted in the metrics where it happened."""
 
 
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                413: "invalid_request_error",
                 422: "invalid_request_error", 429: "rate_limit_error", 503: "server_unavailable", 500: "server_error",
                 504: "timeout"}
 

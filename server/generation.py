@@ -10,11 +10,14 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 
 from engine import InvalidParameter, SamplingParams, TokenEvent
-from server import tool_calls
-from server.conversation import Conversation
+from server import reasoning, tool_calls
+from server.conversation import Conversation, Prompt
 from server.errors import APIError, GenerationFailed
 from server.metrics import Metrics
 from server.runner import EngineRunner, Failure, NotReady, Overloaded, Stream
+from server.settings import Settings
+
+REASONING_TAIL = 16  # prompt tokens read back to see whether the template opened the reply's <think>
 
 
 @dataclass
@@ -121,32 +124,36 @@ async def tokenize_prompt(runner: EngineRunner, text: str, parse_special: bool) 
 
 
 async def tokenize_chat(runner: EngineRunner, messages: list[dict], parse_special: bool,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, variables: dict | None = None) -> list[int]:
     """The chat template's rendering of `messages`, tokenized on a worker thread: the template's markers special,
     the messages' text as text unless `parse_special` (see Tokenizer.encode_chat)."""
     check_length(runner, sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
     try:  # a template runs Python over every message: off the event loop too
-        ids = await asyncio.to_thread(runner.engine.tokenizer.encode_chat, messages, parse_special, tools)
+        ids = await asyncio.to_thread(runner.engine.tokenizer.encode_chat, messages, parse_special, tools, variables)
     except Exception as e:  # a template that raises on these messages is the client's to fix
         raise APIError(422, f"the chat template could not render these messages: {e}", "validation") from None
     return nonempty(ids)
 
 
-def conversation(runner: EngineRunner, tool_call_parser: str, build: Callable[[str], Conversation]) -> Conversation:
+def conversation(runner: EngineRunner, settings: Settings, build: Callable[[str], Conversation]) -> Conversation:
     """A chat-shaped request's Conversation, built by `build(tool format)` with the format the served model writes
-    its calls in (tool_calls.chosen: from --tool-call-parser and the chat template); its errors are 422s."""
+    its calls in (tool_calls.chosen: from --tool-call-parser and the chat template) and its reasoning format
+    (reasoning.chosen: from --reasoning-parser and the template); its errors are 422s."""
     ensure_ready(runner)
     tokenizer = runner.engine.tokenizer
     source = tokenizer.chat_template and tokenizer.chat_template.source
-    form = tool_calls.chosen(tool_call_parser, source, tokenizer.template_takes_tools)
-    return validated(lambda: build(form))
+    form = tool_calls.chosen(settings.tool_call_parser, source, tokenizer.template_takes_tools)
+    chat = validated(lambda: build(form))
+    return dataclasses.replace(chat, reasoning_format=reasoning.chosen(settings.reasoning_parser, source))
 
 
-async def tokenize_conversation(runner: EngineRunner, chat: Conversation, parse_special: bool) -> list[int]:
+async def tokenize_conversation(runner: EngineRunner, chat: Conversation, parse_special: bool) -> Prompt:
     """The conversation as the chat template renders it (tools through the template or offered in a system
-    message), tokenized as tokenize_chat does."""
+    message), tokenized as tokenize_chat does, with whether the rendering leaves a `<think>` open."""
     messages, tools = chat.rendered(runner.engine.tokenizer.template_takes_tools)
-    return await tokenize_chat(runner, messages, parse_special, tools)
+    ids = await tokenize_chat(runner, messages, parse_special, tools, chat.template_variables)
+    tail = runner.engine.tokenizer.decode(ids[-REASONING_TAIL:], skip_special_tokens=False)
+    return Prompt(chat, ids, reasoning.opened_by(tail))
 
 
 def check_length(runner: EngineRunner, characters: int) -> None:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from engine import SamplingParams
 from engine.sampling import BOUNDS, InvalidParameter
-from server.conversation import Conversation, Turn
+from server.conversation import Conversation, Prompt, Turn
 
 
 class Loose(BaseModel):
@@ -112,6 +112,7 @@ class CountTokensRequest(Loose):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
+    chat_template_kwargs: dict | None = None  # more of the template's variables, as on the other chat routes
 
     @property
     def system_text(self) -> str:
@@ -138,8 +139,13 @@ class CountTokensRequest(Loose):
             if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 turns.append(Turn("user", text))
         choice = self.tool_choice or ToolChoiceParam(type="auto")
+        # thinking on or off reaches a template that reads enable_thinking (Qwen3's); others ignore it.
+        variables = {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
+        variables |= self.chat_template_kwargs or {}
+        budget = self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None
         return Conversation(tuple(turns), tuple(t.openai() for t in self.tools or ()), choice.choice,
-                            not choice.disable_parallel_tool_use, tool_format)
+                            not choice.disable_parallel_tool_use, tool_format, template_variables=variables,
+                            reasoning_budget=budget)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -155,12 +161,12 @@ class MessagesRequest(CountTokensRequest):
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop_sequences or ())
 
-    def sampling(self, chat: Conversation) -> SamplingParams:
+    def sampling(self, prompt: Prompt) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=self.max_tokens,
             temperature=self.temperature if self.temperature is not None else 1.0,  # Anthropic's default
             top_p=self.top_p if self.top_p is not None else 1.0,
             top_k=self.top_k or 0,
             stop=self.stops,
-            grammar=chat.grammar(None),
+            grammar=prompt.grammar(None),
         )

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import FinishReason, TokenEvent, Tokenizer
 from server import generation, sse
-from server.conversation import Conversation
+from server.conversation import Prompt
 from server.generation import StopTrimmer
 from server.errors import APIError, error_body
 from server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
@@ -35,9 +35,9 @@ def model_name(request: Request) -> str:
 
 
 async def admit(body: OpenAISampling, request: Request, prompt_ids: list[int], max_tokens: int | None,
-                default: int, chat: Conversation | None = None) -> list[generation.Generation]:
+                default: int, prompt: Prompt | None = None) -> list[generation.Generation]:
     runner, metrics = request.app.state.runner, request.app.state.metrics
-    return await generation.admit(runner, metrics, prompt_ids, lambda: body.sampling(max_tokens, default, chat), body.n)
+    return await generation.admit(runner, metrics, prompt_ids, lambda: body.sampling(max_tokens, default, prompt), body.n)
 
 
 async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
@@ -238,18 +238,19 @@ class CompletionText(ChoiceText):
 class ChatReply(Reply):
     object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, body: ChatCompletionRequest, request: Request, tokenizer: Tokenizer, chat: Conversation):
+    def __init__(self, body: ChatCompletionRequest, request: Request, tokenizer: Tokenizer, prompt: Prompt):
         super().__init__(body, request, tokenizer)
-        self.chat = chat
+        self.prompt, self.chat = prompt, prompt.chat
 
     def choice(self, index: int) -> "ChatText":
         return ChatText(self, index)
 
 
 class ChatText(ChoiceText):
-    """A chat choice. When the request offers tools, its text is held back to the end and read for tool calls:
-    the calls go out as `tool_calls` (one delta when streaming), the rest as content, so a stream concatenates to
-    the reply a request without `stream` gets."""
+    """A chat choice. Its reasoning, where the model has some, goes out as `reasoning_content` (as vLLM and
+    llama.cpp return it), apart from `content`. When the request offers tools, its text is held back to the end and
+    read for tool calls: the calls go out as `tool_calls` (one delta when streaming), the rest as content, so a
+    stream concatenates to the reply a request without `stream` gets."""
 
     reply: ChatReply
 
@@ -257,6 +258,7 @@ class ChatText(ChoiceText):
         super().__init__(reply, index)
         self.started = False  # the first delta carries the role
         self.held = ""  # the text held back, with tools (its tokens stay pending in the reply's loop)
+        self.split = reply.prompt.reasoning()  # the streamed text's reasoning and answer, where it has reasoning
 
     def logprobs(self, events: list[TokenEvent]) -> dict | None:
         return chat_logprobs(events, self.reply.tokenizer) if self.reply.body.logprobs and events else None
@@ -267,23 +269,35 @@ class ChatText(ChoiceText):
             if finish is None:
                 return None  # the reply's loop keeps these tokens pending: at the end `events` holds them all
             message = self.message(self.held, finish)
-            text, finish = message.get("content"), message["finish"]
-            delta = {"content": text} if text is not None else {}
+            finish = message.pop("finish")
+            delta = {k: v for k, v in message.items() if k != "role" and v is not None}
             if "tool_calls" in message:
                 delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(message["tool_calls"])]
+        elif self.split is not None and text is not None:
+            thought, said = self.split.push(text)
+            if finish is not None:
+                more = self.split.finish()
+                thought, said = thought + more[0], said + more[1]
+            delta = ({"reasoning_content": thought} if thought else {}) | ({"content": said} if said else {})
+            if not delta and finish is None:
+                return None  # all held back (the start of a tag): these tokens stay pending
         else:
             delta = {} if text is None else {"content": text}
-        if not self.started and (text is not None or "tool_calls" in delta):
+        if not self.started and delta:
             delta, self.started = {"role": "assistant", **delta}, True
         return {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(events)}
 
     def message(self, text: str, finish: str) -> dict:
-        """The assistant message of a whole reply (with "finish", its finish reason): tool calls read from it."""
-        content, calls = self.reply.chat.reply(text)
+        """The assistant message of a whole reply (with "finish", its finish reason): its reasoning apart, tool
+        calls read from its answer."""
+        thought, answer = self.reply.prompt.split(text)
+        content, calls = self.reply.chat.reply(answer)
+        message = {"role": "assistant", "content": content}
+        if thought is not None:
+            message["reasoning_content"] = thought
         if not calls:
-            return {"role": "assistant", "content": content, "finish": finish}
-        return {"role": "assistant", "content": content, "tool_calls": calls,
-                "finish": "tool_calls" if finish == "stop" else finish}
+            return message | {"finish": finish}
+        return message | {"tool_calls": calls, "finish": "tool_calls" if finish == "stop" else finish}
 
     def complete(self, text, finish, events) -> dict:
         message = self.message(text, finish)
@@ -325,11 +339,11 @@ async def completions(body: CompletionRequest, request: Request):
 
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     runner = request.app.state.runner
-    chat = generation.conversation(runner, request.app.state.settings.tool_call_parser, body.conversation)
-    prompt_ids = await generation.tokenize_conversation(runner, chat, body.parse_special)
+    chat = generation.conversation(runner, request.app.state.settings, body.conversation)
+    prompt = await generation.tokenize_conversation(runner, chat, body.parse_special)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    gens = await admit(body, request, prompt_ids, max_tokens, max(1, generation.room(runner, prompt_ids)), chat)
-    return await answer(ChatReply(body, request, runner.engine.tokenizer, chat), gens, request)
+    gens = await admit(body, request, prompt.ids, max_tokens, max(1, generation.room(runner, prompt.ids)), prompt)
+    return await answer(ChatReply(body, request, runner.engine.tokenizer, prompt), gens, request)
 
 
 def create_router() -> APIRouter:

@@ -16,8 +16,10 @@ ERRORS = {  # status -> when
     "429": "--max-queue requests already wait (Retry-After)",
     "503": "the model is loading, failed, or no slot freed within --max-queue-wait (Retry-After)",
     "504": "the request ran past --request-timeout",
+    "404": "no stored response has this id (never stored, deleted, or evicted)",
 }
-STREAMING = {"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions", "/v1/messages"}
+STREAMING = {"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions", "/v1/messages",
+             "/v1/responses"}
 ERROR_BODIES = {
     "TGIError": {"type": "object", "required": ["error", "error_type"],
                  "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}},
@@ -77,6 +79,16 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
                     "stop_reason": STR, "stop_sequence": MAYBE_STR,
                     "usage": obj({"input_tokens": INT, "output_tokens": INT, "cache_read_input_tokens": INT})}),
     "TokenCount": obj({"input_tokens": INT}),
+    "Response": obj({"id": STR, "object": {"const": "response"}, "created_at": INT, "status": STR, "model": STR,
+                     "output": array({"anyOf": [
+                         obj({"type": {"const": "message"}, "id": STR, "role": {"const": "assistant"},
+                              "content": array(obj({"type": {"const": "output_text"}, "text": STR}))}),
+                         obj({"type": {"const": "function_call"}, "id": STR, "call_id": STR, "name": STR,
+                              "arguments": STR})]}),
+                     "output_text": STR,
+                     "usage": obj({"input_tokens": INT, "output_tokens": INT, "total_tokens": INT,
+                                   "input_tokens_details": obj({"cached_tokens": INT})})}),
+    "ResponseDeleted": obj({"id": STR, "object": {"const": "response"}, "deleted": BOOL}),
     "ModelList": obj({"object": STR, "data": array(obj({"id": STR, "object": STR, "created": INT, "owned_by": STR},
                                                          {"max_model_len": INT}))}),
     "Info": obj({"model_id": STR, "dtype": STR, "device": STR, "max_batch_size": INT, "max_seq_len": INT,
@@ -95,7 +107,8 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
 }
 RESPONSES = {"/generate": "TGIGenerated", "/": "TGIGenerated", "/tokenize": "Tokens", "/detokenize": "Detokenized",
              "/v1/completions": "Completion", "/v1/chat/completions": "ChatCompletion", "/v1/models": "ModelList",
-             "/v1/messages": "Message", "/v1/messages/count_tokens": "TokenCount",
+             "/v1/messages": "Message", "/v1/messages/count_tokens": "TokenCount", "/v1/responses": "Response",
+             "/v1/responses/{response_id}": {"get": "Response", "delete": "ResponseDeleted"},
              "/info": "Info", "/health": "Health", "/slots": "Slots"}
 # One Server-Sent Event as a client parses it (OpenAPI 3.1 has a streamed media type's schema describe each event):
 # a JSON object in `data`, or `[DONE]` to end an OpenAI stream; TGI names its events.
@@ -128,8 +141,8 @@ def described(schema: dict) -> dict:
                 if applies(status, path, method):
                     responses[status] = {"description": when, "content": error}
             if path in RESPONSES:
-                responses["200"]["content"] = {"application/json": {
-                    "schema": {"$ref": f"#/components/schemas/{RESPONSES[path]}"}}}
+                name = RESPONSES[path][method] if isinstance(RESPONSES[path], dict) else RESPONSES[path]
+                responses["200"]["content"] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
             if path in STREAMING:
                 content = responses["200"].setdefault("content", {})
                 content["text/event-stream"] = {"schema": SSE_EVENT,
@@ -149,6 +162,8 @@ def applies(status: str, path: str, method: str) -> bool:
         return False  # /health has its own 503 body; /metrics always answers
     if status == "413":
         return method == "post"
+    if status == "404":
+        return path.startswith("/v1/responses")  # a stored response named by id (previous_response_id too)
     if status in ("429", "504"):
         return path in STREAMING  # the generation routes: queued and timed
     return True

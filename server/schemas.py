@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from engine import SamplingParams
 from engine.grammar import choice_grammar, json_object_grammar, json_schema_grammar, lark_grammar, regex_grammar
 from engine.sampling import BOUNDS, InvalidParameter
-from server.conversation import Conversation, Turn
+from server.conversation import Conversation, Prompt, Turn
 
 
 class Strict(BaseModel):
@@ -241,10 +241,10 @@ class OpenAISampling(BaseModel):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def sampling(self, max_tokens: int | None, default_max_tokens: int,
-                 conversation: Conversation | None = None) -> SamplingParams:
-        """The engine's parameters; with a conversation, its grammar (a forced tool call) over the response format."""
-        grammar = self.grammar() if conversation is None else conversation.grammar(self.grammar())
+    def sampling(self, max_tokens: int | None, default_max_tokens: int, prompt: Prompt | None = None) -> SamplingParams:
+        """The engine's parameters; with a chat prompt, its grammar (a forced tool call, after any reasoning) over the
+        response format."""
+        grammar = self.grammar() if prompt is None else prompt.grammar(self.grammar())
         return SamplingParams(
             max_new_tokens=max_tokens or default_max_tokens,
             temperature=self.temperature if self.temperature is not None else 1.0,
@@ -379,6 +379,7 @@ class ChatCompletionRequest(OpenAISampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict | None = None  # more of the template's variables (vLLM's field): enable_thinking, ...
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -398,4 +399,5 @@ class ChatCompletionRequest(OpenAISampling):
             turns.append(Turn("system" if m.role == "developer" else m.role, m.text, calls, m.tool_call_id))
         choice = self.tool_choice.function.name if isinstance(self.tool_choice, ToolChoice) else self.tool_choice
         return Conversation(tuple(turns), tuple(t.model_dump(exclude_none=True) for t in self.tools or ()),
-                            choice or "auto", self.parallel_tool_calls is not False, tool_format)
+                            choice or "auto", self.parallel_tool_calls is not False, tool_format,
+                            template_variables=self.chat_template_kwargs or {})

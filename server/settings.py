@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from engine import EngineConfig
+from server import reasoning
 from server.tool_calls import PARSERS
 from weights.default_model import DEFAULT_MODEL
 
@@ -34,6 +35,9 @@ class Settings:
     request_timeout: float = 0  # seconds; 0: none
     max_queue_wait: float = 0  # seconds; 0: none
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    responses_store: int = 1000  # stored responses (previous_response_id); 0: none kept
+    responses_store_bytes: int = 64 << 20
     ui: str = "on"
     tensor_parallel_size: int = 1
     nnodes: int = 1
@@ -55,8 +59,12 @@ class Settings:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         if self.request_timeout < 0 or self.max_queue_wait < 0:
             raise ValueError("request_timeout and max_queue_wait are seconds >= 0 (0: no limit)")
+        if self.reasoning_parser not in reasoning.PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(reasoning.PARSERS)}, got {self.reasoning_parser!r}")
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.responses_store < 0 or self.responses_store_bytes < 0:
+            raise ValueError("responses_store and responses_store_bytes must be >= 0 (0: none kept)")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
@@ -103,7 +111,8 @@ FLAGS = [
                          "default: min(the model's context, 2048)"),
     ("kv_cache_memory", str, "size the KV cache from a memory budget instead, e.g. 1GiB (sets the slots)"),
     ("max_queue", int, "requests that may wait for a slot; beyond that the server answers 429"),
-    ("api_key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
+    ("api_key", str, "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health and "
+                     "/metrics"),
     ("max_body_bytes", int, "largest request body accepted; larger ones get 413"),
     ("model_name", str, "the model id reported by /v1/models and in OpenAI responses; default: --model as given"),
     ("seed", int, "seed for the seeds of requests that bring none (reproducible runs)"),
@@ -125,6 +134,12 @@ FLAGS = [
     ("ui", str, "on or off: GET / in a browser serves the playground (chat, tokens, the KV cache's slots live)"),
     ("tool_call_parser", str, "auto, hermes or llama3: how the model writes tool calls (<tool_call> blocks, or "
                               "Llama 3's bare JSON); auto reads it from the chat template"),
+    ("reasoning_parser", str, "auto, none, qwen3 or deepseek_r1: how the model's reasoning is kept apart from its "
+                              "answer (<think>...</think>: reasoning_content, a reasoning item, thinking blocks); auto: "
+                              "qwen3 for a chat template that mentions <think>, else none"),
+    ("responses_store", int, "responses /v1/responses keeps for previous_response_id and GET, at most (the oldest go "
+                             "first); 0: none kept"),
+    ("responses_store_bytes", int, "bytes the kept responses and their conversations may hold, at most"),
     ("tensor_parallel_size", int, "split the model over N processes (torch.distributed, gloo): heads, MLP and "
                                   "vocabulary; each holds 1/N of the weights and of the KV cache (eager decode so "
                                   "far)"),

@@ -61,7 +61,7 @@ def test_a_stream_gives_the_whole_replys_message_and_anthropics_events(server, c
     raw = {"model": "kvserve", "max_tokens": 16, "messages": ASK, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/messages", json=raw, timeout=120) as response:
         names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert set(names[3:-3]) == {"content_block_delta"} and names[-3:] == ["content_block_stop", "message_delta",
                                                                           "message_stop"]
 
