@@ -9,23 +9,20 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import Field, StrictBool, model_validator
 
 from engine import SamplingParams
 from engine.sampling import BOUNDS, InvalidParameter
 from server.conversation import Conversation, Prompt, Turn
+from server.schemas import Lenient
 
 
-class Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class TextBlock(Loose):
+class TextBlock(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(Loose):
+class ToolUseBlock(Lenient):
     """An assistant turn's call."""
 
     type: Literal["tool_use"]
@@ -34,7 +31,7 @@ class ToolUseBlock(Loose):
     input: dict
 
 
-class ToolResultBlock(Loose):
+class ToolResultBlock(Lenient):
     """A user turn's answer to a call: text, or text blocks."""
 
     type: Literal["tool_result"]
@@ -48,7 +45,7 @@ class ToolResultBlock(Loose):
         return f"Error: {text}" if self.is_error else text
 
 
-class ThinkingBlock(Loose):
+class ThinkingBlock(Lenient):
     """An earlier turn's reasoning, as a client sends it back: not shown to the model again (as Anthropic's own
     models drop earlier turns' thinking)."""
 
@@ -58,12 +55,12 @@ class ThinkingBlock(Loose):
 Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock], Field(discriminator="type")]
 
 
-class MessageParam(Loose):
+class MessageParam(Lenient):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class ToolParam(Loose):
+class ToolParam(Lenient):
     """A client tool. Anthropic's server tools (web search, ...) have a `type` of their own: kvserve runs none."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -77,7 +74,7 @@ class ToolParam(Loose):
         return {"type": "function", "function": function | ({"description": self.description} if self.description else {})}
 
 
-class ToolChoiceParam(Loose):
+class ToolChoiceParam(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: StrictBool = False
@@ -94,16 +91,16 @@ class ToolChoiceParam(Loose):
         return {"auto": "auto", "none": "none", "any": "required"}.get(self.type, self.name)
 
 
-class ThinkingParam(Loose):
+class ThinkingParam(Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
-class MetadataParam(Loose):
+class MetadataParam(Lenient):
     user_id: str | None = None
 
 
-class CountTokensRequest(Loose):
+class CountTokensRequest(Lenient):
     """What a Messages request says about its prompt: enough to count it."""
 
     model: str

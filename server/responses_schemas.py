@@ -9,19 +9,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
+from pydantic import Discriminator, Field, StrictBool, Tag, model_validator
 
 from engine import SamplingParams
 from engine.grammar import json_object_grammar, json_schema_grammar
 from engine.sampling import BOUNDS, InvalidParameter
 from server.conversation import Conversation, Prompt, Turn
+from server.schemas import Lenient
 
 
-class Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class TextPart(Loose):
+class TextPart(Lenient):
     """input_text (a user's), output_text (an earlier reply's) or refusal."""
 
     type: Literal["input_text", "output_text", "refusal", "text"]
@@ -29,7 +26,7 @@ class TextPart(Loose):
     refusal: str | None = None
 
 
-class MessageItem(Loose):
+class MessageItem(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
@@ -41,7 +38,7 @@ class MessageItem(Loose):
         return "".join(p.text or p.refusal or "" for p in self.content)
 
 
-class FunctionCallItem(Loose):
+class FunctionCallItem(Lenient):
     """An earlier reply's call."""
 
     type: Literal["function_call"]
@@ -50,7 +47,7 @@ class FunctionCallItem(Loose):
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class FunctionCallOutputItem(Loose):
+class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
@@ -60,7 +57,7 @@ class FunctionCallOutputItem(Loose):
         return self.output if isinstance(self.output, str) else "".join(p.text or "" for p in self.output)
 
 
-class ReasoningItem(Loose):
+class ReasoningItem(Lenient):
     """An earlier reply's reasoning, as a client sends it back: not shown to the model again."""
 
     type: Literal["reasoning"]
@@ -76,7 +73,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[Fu
                             Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(item_kind)]
 
 
-class FunctionTool(Loose):
+class FunctionTool(Lenient):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
@@ -88,16 +85,16 @@ class FunctionTool(Loose):
         return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
 
 
-class OtherTool(Loose):
+class OtherTool(Lenient):
     type: str
 
 
-class NamedFunction(Loose):
+class NamedFunction(Lenient):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(Loose):
+class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict | bool | None = Field(default=None, alias="schema")
@@ -118,11 +115,11 @@ class TextFormat(Loose):
         return None
 
 
-class TextConfig(Loose):
+class TextConfig(Lenient):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(Loose):
+class ResponsesRequest(Lenient):
     model: str | None = None
     input: Annotated[str, Field(min_length=1)] | list[InputItem]
     instructions: str | None = None

@@ -20,6 +20,12 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class Lenient(BaseModel):
+    # For the agents' APIs (Responses, Messages), whose clients send fields that change nothing a local server
+    # does (beta flags, cache hints): unknown fields are ignored. Types stay strict.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
 def unsupported(model: BaseModel, neutral: dict[str, tuple]) -> None:
     """Fields a client library sends at neutral values on every request: accepted only at those values."""
     for name, allowed in neutral.items():
