@@ -176,3 +176,32 @@ def test_the_api_key_is_accepted_as_x_api_key(model_dir):
             bad.messages.create(model="kvserve", max_tokens=2, messages=ASK)
         refused = httpx.post(f"{running.url}/v1/messages", json={"model": "kvserve", "max_tokens": 2, "messages": ASK})
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"model": "kvserve", "max_tokens": 480, "messages": ASK}),
+    ("/v1/responses", {"model": "kvserve", "max_output_tokens": 480, "input": "hi"}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_frees_its_slot(server, path, body, stream):
+    import socket
+    from urllib.parse import urlparse
+
+    from tests.test_server import metric_values
+
+    key = 'kvserve_request_failures_total{"reason": "client_disconnect"}'
+    before = metric_values(httpx.get(f"{server.url}/metrics").text).get(key, 0)
+    if stream:
+        with httpx.stream("POST", f"{server.url}{path}", json=body | {"stream": True}, timeout=60) as response:
+            lines = response.iter_lines()  # held: a closed iterator would close the stream, and end the request
+            next(line for line in lines if line.startswith("data:"))
+            assert server.runner.wait_for(lambda s: s.running == 1, timeout=30)
+    else:
+        address, raw = urlparse(server.url), json.dumps(body).encode()
+        with socket.create_connection((address.hostname, address.port)) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                         + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            assert server.runner.wait_for(lambda s: s.running == 1, timeout=30)
+    # gone without reading the answer: the request is aborted, not run to its 480 tokens
+    assert server.runner.wait_for(lambda s: s.running == 0 and s.waiting == 0, timeout=30)
+    assert metric_values(httpx.get(f"{server.url}/metrics").text).get(key, 0) - before == 1
