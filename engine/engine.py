@@ -17,11 +17,11 @@ from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.linear.planner import QUANTIZE_MODES, summary
 from engine.linear.quantized import WeightOnlyLinear
 from engine.models.model import Transformer, weights_bytes
-from engine.request import FinishReason, Request, RequestFailed, TokenEvent
+from engine.request import FinishReason, Request, RequestFailed, Status, TokenEvent
 from engine.rope import RotaryTable
 from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SlotState
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
@@ -276,7 +276,7 @@ class Engine:
         hidden = chunks[-1][:, -1:] if last_only else torch.cat(chunks, dim=1)
         return self.model.logits(hidden)[0]
 
-    # ---- the state the server reports ------------------------------------------------------
+    # ---- the state the server reports: a narrow, read-only view (no cache, requests or scheduler handed out) ----
 
     @property
     def num_running(self) -> int:
@@ -305,6 +305,43 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def slots(self) -> int:
+        """Sequences decoded side by side: the KV cache's slots."""
+        return self.cache.slots
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The requests in flight, running or waiting for a slot."""
+        return tuple(self.requests)
+
+    def waits(self, request_id: str) -> bool | None:
+        """Whether a request in flight still waits for a slot; None once it has finished (or was never added)."""
+        request = self.requests.get(request_id)
+        return None if request is None else request.status is Status.WAITING
+
+    def slot_states(self) -> tuple[SlotState, ...]:
+        """Every slot as it stands: free (keeping tokens for reuse), in prefill or in decode, and whose."""
+        return tuple(self.scheduler.slot_states())
+
+    @property
+    def cache_capacity_bytes(self) -> int:
+        return self.cache.capacity_bytes
+
+    def cache_terms(self) -> dict:
+        """The KV cache's size and its formula's terms (KVCache.terms)."""
+        return self.cache.terms()
+
+    @property
+    def model_config(self):
+        """The model's architecture (a frozen ModelConfig)."""
+        return self.model.config
+
+    @property
+    def plan(self) -> tuple:
+        """Which layer serves each linear product and why (engine/linear/planner.py), decided as the model was built."""
+        return tuple(self.model.plan)
 
     # ---- the work ---------------------------------------------------------------------------
 

@@ -122,6 +122,18 @@ class KVCache:
         """What the same cache would take with one K/V head per query head (h_kv = h_q)."""
         return self.capacity_bytes * self.num_q_heads // self.num_kv_heads
 
+    def terms(self) -> dict:
+        """The cache's size and the formula that gives it, term by term: with sliding layers that keep only their
+        window, two terms."""
+        terms = {"capacity_bytes": self.capacity_bytes, "formula": "2*B*L*T*h_kv*d_h*itemsize", "B": self.slots,
+                 "L": self.num_layers, "T": self.max_seq_len, "h_kv": self.num_kv_heads, "d_h": self.head_dim,
+                 "itemsize": self.itemsize, "h_q": self.num_q_heads, "mha_capacity_bytes": self.mha_capacity_bytes}
+        if self.ring_capacity is not None:
+            sliding = sum(c < self.max_seq_len for c in self.capacities)
+            terms |= {"formula": "2*B*(L_global*T + L_sliding*W)*h_kv*d_h*itemsize", "L_global": self.num_layers - sliding,
+                      "L_sliding": sliding, "W": self.ring_capacity, "full_length_bytes": self.full_length_bytes}
+        return terms
+
     def describe(self) -> str:
         layers = f"{self.num_layers} layers"
         if self.ring_capacity is not None:

@@ -8,7 +8,6 @@ import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,11 +23,6 @@ from server.response_store import ResponseStore
 from server.runner import EngineRunner
 from server.schemas import DetokenizeRequest, TokenizeRequest
 from server.settings import Settings
-
-if TYPE_CHECKING:
-    from engine.config import ModelConfig
-    from engine.kv_cache import KVCache
-
 
 
 def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
@@ -71,27 +65,27 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
     async def info():
         generation.ensure_ready(runner)
         engine = runner.engine
-        cache, config = engine.cache, engine.model.config
+        capacity, plan = engine.cache_capacity_bytes, list(engine.plan)
         return {
             "model_id": settings.served_model_name, "model_path": settings.model_spec,
-            "model_type": config.model_type, "dtype": str(engine.dtype).removeprefix("torch."),
-            "device": str(engine.device), "max_batch_size": cache.slots, "max_seq_len": engine.max_seq_len,
+            "model_type": engine.model_config.model_type, "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device), "max_batch_size": engine.slots, "max_seq_len": engine.max_seq_len,
             "max_queue": runner.max_queue, "compiled_decode": list(engine.compiled_graphs),
             "quantized": engine.quantized, "weights_bytes": runner.weights_bytes,
             "prefix_caching": engine.config.prefix_caching,
             # Which layer serves each linear product and why, decided once as the model was built.
-            "linear_layers": summary(list(engine.model.plan)), "weights_served": served_by_type(list(engine.model.plan)),
-            "kv_cache": kv_cache_info(cache, config),
+            "linear_layers": summary(plan), "weights_served": served_by_type(plan),
+            "kv_cache": engine.cache_terms(),
             # Each rank's cache holds its own K/V heads (h_kv above is per rank); every rank's is the same size.
-            "tensor_parallel": {"size": engine.tensor_parallel_size, "kv_cache_bytes_per_rank": cache.capacity_bytes,
-                                "kv_cache_bytes_total": engine.tensor_parallel_size * cache.capacity_bytes},
+            "tensor_parallel": {"size": engine.tensor_parallel_size, "kv_cache_bytes_per_rank": capacity,
+                                "kv_cache_bytes_total": engine.tensor_parallel_size * capacity},
         }
 
     @app.get("/slots")
     async def slots():
         """Every KV-cache slot as the loop thread last saw it, the queue, and the cache's size (llama.cpp's name)."""
         generation.ensure_ready(runner)
-        snapshot, cache, now = runner.snapshot, runner.engine.cache, time.perf_counter()
+        snapshot, now = runner.snapshot, time.perf_counter()
 
         def age(request_id: str | None) -> float | None:
             arrived = runner.arrived_at(request_id) if request_id else None
@@ -100,9 +94,10 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
         return {
             "slots": [{"slot": s.slot, "state": s.state, "tokens": s.tokens, "kept": s.kept, "request_id": s.request_id,
                        "age_s": age(s.request_id)} for s in snapshot.slot_states],
-            "max_seq_len": cache.max_seq_len, "waiting": snapshot.waiting, "running": snapshot.running,
+            "max_seq_len": runner.engine.max_seq_len, "waiting": snapshot.waiting, "running": snapshot.running,
             "kv_cache": {"capacity_bytes": snapshot.capacity_bytes, "used_bytes": snapshot.used_bytes,
-                         "kept_bytes": snapshot.kept_bytes, "mha_capacity_bytes": cache.mha_capacity_bytes},
+                         "kept_bytes": snapshot.kept_bytes,
+                         "mha_capacity_bytes": runner.engine.cache_terms()["mha_capacity_bytes"]},
         } | metrics.summary()
 
     @app.post("/tokenize")
@@ -127,19 +122,6 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
         return {"prompt": text}
 
     return app
-
-
-def kv_cache_info(cache: KVCache, config: ModelConfig) -> dict:
-    """The cache's size and the formula that gives it: with sliding layers that keep only their window, two terms."""
-    info = {"capacity_bytes": cache.capacity_bytes, "formula": "2*B*L*T*h_kv*d_h*itemsize",
-            "B": cache.slots, "L": cache.num_layers, "T": cache.max_seq_len, "h_kv": cache.num_kv_heads,
-            "d_h": cache.head_dim, "itemsize": cache.itemsize, "h_q": config.num_heads,
-            "mha_capacity_bytes": cache.mha_capacity_bytes}
-    if cache.ring_capacity is not None:
-        sliding = sum(c < cache.max_seq_len for c in cache.capacities)
-        info |= {"formula": "2*B*(L_global*T + L_sliding*W)*h_kv*d_h*itemsize", "L_global": cache.num_layers - sliding,
-                 "L_sliding": sliding, "W": cache.ring_capacity, "full_length_bytes": cache.full_length_bytes}
-    return info
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

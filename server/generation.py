@@ -228,7 +228,7 @@ def start_sequences(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int
     with seed + i when a seed is given (so sequence 0 is what the request alone gives), else with a seed of
     its own. They share the prompt: prefix caching computes it once when it is at least a prefill chunk long
     (shorter ones share one batched prefill pass)."""
-    slots = runner.engine.cache.slots
+    slots = runner.engine.slots
     if n > slots:
         raise APIError(422, f"{name}={n} exceeds the server's {slots} sequence slots (--max-batch-size): "
                             "the sequences are decoded side by side", "validation")

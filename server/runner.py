@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine import Engine, RequestFailed, SamplingParams, TokenEvent
-from engine.request import Status
 from engine.scheduler import SlotState
 from engine.tensor_parallel import PeerLost
 from server.compile_cache import CompileCache
@@ -162,7 +161,7 @@ class EngineRunner:
     @property
     def waiting(self) -> int:
         """Accepted requests beyond the slots: they wait, first come first served."""
-        return max(0, self._active - self.engine.cache.slots) if self.engine else 0
+        return max(0, self._active - self.engine.slots) if self.engine else 0
 
     def arrived_at(self, request_id: str) -> float | None:
         """When a request in flight arrived (time.perf_counter), from the event loop's own streams."""
@@ -172,7 +171,7 @@ class EngineRunner:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
         if not self.ready:
             raise NotReady(self.failure or "the model is still loading")
-        if self.waiting >= self.max_queue and self._active >= self.engine.cache.slots:
+        if self.waiting >= self.max_queue and self._active >= self.engine.slots:
             raise Overloaded(f"{self.waiting} requests are already waiting (max_queue = {self.max_queue})")
         stream = Stream(f"req-{uuid.uuid4().hex[:16]}", prompt_ids, params, time.perf_counter())
         self._streams[stream.request_id] = stream
@@ -205,7 +204,7 @@ class EngineRunner:
             return
         self._update_snapshot()
         self._ready.set()
-        log.info("ready: %d slots x %d tokens", self.engine.cache.slots, self.engine.max_seq_len)
+        log.info("ready: %d slots x %d tokens", self.engine.slots, self.engine.max_seq_len)
         threading.Thread(target=self._compile, name="kvserve-compile", daemon=True).start()
         try:
             self._serve()
@@ -246,10 +245,10 @@ class EngineRunner:
         """End the requests past --max-queue-wait (still waiting for a slot) or --request-timeout."""
         expired = []
         for request_id, arrived in list(self._arrivals.items()):
-            request = self.engine.requests.get(request_id)
-            if request is None:  # finished
+            waits = self.engine.waits(request_id)
+            if waits is None:  # finished
                 del self._arrivals[request_id]
-            elif self.max_queue_wait and request.status is Status.WAITING and now - arrived > self.max_queue_wait:
+            elif self.max_queue_wait and waits and now - arrived > self.max_queue_wait:
                 expired.append((request_id, Failure(f"no slot freed within --max-queue-wait ({self.max_queue_wait:g} s); "
                                                     "retry later", 503, "overloaded")))
             elif self.request_timeout and now - arrived > self.request_timeout:
@@ -313,7 +312,7 @@ class EngineRunner:
             self._send([(stream.request_id, Failure(f"{type(e).__name__}: {e}"))])
 
     def _fail_all(self, message: str) -> None:
-        ids = list(self.engine.requests)
+        ids = list(self.engine.request_ids)
         for request_id in ids:
             self.engine.abort(request_id)
         self._update_snapshot()
@@ -326,7 +325,7 @@ class EngineRunner:
     def _update_snapshot(self) -> None:
         engine = self.engine
         with self._changed:
-            self.snapshot = Snapshot(engine.num_running, engine.num_waiting, engine.cache.slots,
-                                     engine.cache.capacity_bytes, engine.cache_used_bytes, self.weights_bytes,
-                                     engine.cache_kept_bytes, tuple(engine.scheduler.slot_states()))
+            self.snapshot = Snapshot(engine.num_running, engine.num_waiting, engine.slots,
+                                     engine.cache_capacity_bytes, engine.cache_used_bytes, self.weights_bytes,
+                                     engine.cache_kept_bytes, engine.slot_states())
             self._changed.notify_all()

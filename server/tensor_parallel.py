@@ -197,10 +197,10 @@ def start(settings, path: str, on_worker_exit: Callable[[str], None]) -> tuple[L
     channel.send(dataclasses.asdict(config))  # one seed for all: every rank samples the same tokens
     model, tokenizer = load_shard(path, group.rank_device, settings.dtype, config.quantize, Shard(0, world))
     engine = LeaderEngine(model, tokenizer, config, channel, world)
-    cache = engine.cache
+    capacity = engine.cache_capacity_bytes
     log.info("tensor parallel over %d ranks: each holds %d of the model's K/V heads; KV cache %s per rank, %s in "
-             "all (2*B*L*T*(h_kv/N)*d_h*itemsize per rank)", world, cache.num_kv_heads,
-             format_bytes(cache.capacity_bytes), format_bytes(world * cache.capacity_bytes))
+             "all (2*B*L*T*(h_kv/N)*d_h*itemsize per rank)", world, engine.cache_terms()["h_kv"],
+             format_bytes(capacity), format_bytes(world * capacity))
     return engine, workers
 
 
