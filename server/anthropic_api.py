@@ -151,7 +151,8 @@ async def prompt_of(body: CountTokensRequest, request: Request) -> Prompt:
 async def messages(body: MessagesRequest, request: Request):
     runner, metrics = request.app.state.runner, request.app.state.metrics
     prompt = await prompt_of(body, request)
-    (gen,) = await generation.admit(runner, metrics, prompt.ids, lambda: body.sampling(prompt))
+    room = generation.room(runner, prompt.ids)
+    (gen,) = await generation.admit(runner, metrics, prompt.ids, lambda: body.sampling(prompt, room))
     reply = MessageReply(body, prompt)
     if body.stream:
         return StreamingResponse(reply.stream(gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, StrictBool, model_validator
 
 from engine import SamplingParams
+from engine.grammar import json_schema_grammar
 from engine.sampling import BOUNDS, InvalidParameter
 from server.conversation import Conversation, Prompt, Turn
 from server.schemas import Lenient
@@ -56,7 +57,8 @@ Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock]
 
 
 class MessageParam(Lenient):
-    role: Literal["user", "assistant"]
+    # "system" too: Claude Code sends system-role messages between the turns (agent listings, reminders).
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -96,6 +98,18 @@ class ThinkingParam(Lenient):
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
+class OutputFormat(Lenient):
+    """Anthropic's structured output: the reply is JSON that follows `schema` (a grammar enforces it)."""
+
+    type: Literal["json_schema"]
+    schema_: dict | bool = Field(alias="schema")
+
+
+class OutputConfig(Lenient):
+    format: OutputFormat | None = None
+    effort: str | None = None  # how hard a Claude model thinks: nothing to set here
+
+
 class MetadataParam(Lenient):
     user_id: str | None = None
 
@@ -132,6 +146,9 @@ class CountTokensRequest(Lenient):
                 continue
             if any(isinstance(b, ToolUseBlock) for b in blocks):
                 raise InvalidParameter("tool_use blocks belong to assistant messages")
+            if m.role == "system":
+                turns.append(Turn("system", text))
+                continue
             turns += [Turn("tool", b.text, call_id=b.tool_use_id) for b in blocks if isinstance(b, ToolResultBlock)]
             if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 turns.append(Turn("user", text))
@@ -153,17 +170,29 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, **BOUNDS["top_p"].field())
     top_k: int | None = Field(default=None, ge=0)
     metadata: MetadataParam | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the beta's name for output_config.format
 
     @property
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop_sequences or ())
 
-    def sampling(self, prompt: Prompt) -> SamplingParams:
+    def constraint(self) -> str | None:
+        """The structured-output grammar the request asks for, or None."""
+        form = self.output_format or (self.output_config.format if self.output_config else None)
+        if self.output_format and self.output_config and self.output_config.format:
+            raise InvalidParameter("set output_config.format or output_format, not both")
+        return json_schema_grammar(form.schema_) if form else None
+
+    def sampling(self, prompt: Prompt, room: int) -> SamplingParams:
+        """`room`: the tokens left in a slot after the prompt. max_tokens is a bound, not a demand (Claude Code
+        asks for 32000 whatever the model): past the room the reply ends with stop_reason max_tokens, as
+        llama.cpp's server clamps it."""
         return SamplingParams(
-            max_new_tokens=self.max_tokens,
+            max_new_tokens=max(1, min(self.max_tokens, room)),
             temperature=self.temperature if self.temperature is not None else 1.0,  # Anthropic's default
             top_p=self.top_p if self.top_p is not None else 1.0,
             top_k=self.top_k or 0,
             stop=self.stops,
-            grammar=prompt.grammar(None),
+            grammar=prompt.grammar(self.constraint()),
         )

@@ -205,3 +205,19 @@ def test_a_client_that_leaves_frees_its_slot(server, path, body, stream):
     # gone without reading the answer: the request is aborted, not run to its 480 tokens
     assert server.runner.wait_for(lambda s: s.running == 0 and s.waiting == 0, timeout=30)
     assert metric_values(httpx.get(f"{server.url}/metrics").text).get(key, 0) - before == 1
+
+
+def test_claude_codes_request_shape_is_served(server):
+    """What Claude Code 2.1 sends: system-role messages between the turns, max_tokens far past the context (a
+    bound: the reply ends at the slot's end), output_config's effort and a JSON schema (its title requests)."""
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 12}}, "required": ["title"],
+              "additionalProperties": False}
+    body = {"model": "kvserve", "max_tokens": 32000, "stream": False, "thinking": {"type": "adaptive"},
+            "messages": [ASK[0], {"role": "system", "content": "Agents available: none."}],
+            "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": schema}}}
+    reply = httpx.post(f"{server.url}/v1/messages?beta=true", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    jsonschema.validate(json.loads(reply.json()["content"][0]["text"]), schema)
+    both = body | {"output_format": {"type": "json_schema", "schema": schema}}
+    refused = httpx.post(f"{server.url}/v1/messages", json=both, timeout=60)
+    assert refused.status_code == 400 and "not both" in refused.json()["error"]["message"]
