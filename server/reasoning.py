@@ -6,11 +6,11 @@ Formats (--reasoning-parser):
   distills, whose templates open it in the prompt): everything up to `</think>` is reasoning;
 - none: no reasoning, all text is the answer; auto: qwen3 for a chat template that mentions `<think>`, else none.
 
-The split runs on the text as it streams (Reasoning.push; server/conversation.py's Prompt makes one per reply), holding back what may be the start of a tag, so a
-stream's reasoning and answer concatenate to the whole reply's. A grammar (structured output, a forced tool call)
-constrains the answer only: `after_reasoning` wraps it so the reasoning before `</think>` is free text, bounded
-where a request gives a budget (Anthropic's thinking.budget_tokens: about 4 characters a token, as the grammar
-counts characters).
+The split runs on the text as it streams (Reasoning.push; server/conversation.py's Prompt makes one per reply),
+holding back what may be the start of a tag, so a stream's reasoning and answer concatenate to the whole reply's.
+A grammar (structured output, a forced tool call) constrains the answer only: `after_reasoning` wraps it so the
+reasoning before `</think>` is free text, bounded where a request gives a budget (Anthropic's
+thinking.budget_tokens: about 4 characters a token, as the grammar counts characters).
 """
 
 from __future__ import annotations
