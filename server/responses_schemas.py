@@ -115,6 +115,13 @@ class TextFormat(Lenient):
         return None
 
 
+class ReasoningConfig(Lenient):
+    """How hard the model thinks: "none" turns a thinking template's reasoning off (enable_thinking false, as
+    Qwen3's template reads it); the other efforts leave the model as it is."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
 class TextConfig(Lenient):
     format: TextFormat | None = None
 
@@ -135,6 +142,7 @@ class ResponsesRequest(Lenient):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     chat_template_kwargs: dict | None = None  # more of the template's variables (vLLM's field): enable_thinking, ...
+    reasoning: ReasoningConfig | None = None
 
     @property
     def function_tools(self) -> list[FunctionTool]:
@@ -173,7 +181,14 @@ class ResponsesRequest(Lenient):
         system = [Turn("system", self.instructions)] if self.instructions else []
         return Conversation((*system, *history, *self.turns()), tuple(t.openai() for t in self.function_tools),
                             self.choice, self.parallel_tool_calls is not False, tool_format,
-                            template_variables=self.chat_template_kwargs or {})
+                            template_variables=self.template_variables)
+
+    @property
+    def template_variables(self) -> dict:
+        """The chat template's extra variables: reasoning effort "none" as enable_thinking false, then
+        chat_template_kwargs (which win)."""
+        off = {"enable_thinking": False} if self.reasoning and self.reasoning.effort == "none" else {}
+        return off | (self.chat_template_kwargs or {})
 
     def sampling(self, default_max_tokens: int, prompt: Prompt) -> SamplingParams:
         constraint = self.text.format.grammar() if self.text and self.text.format else None

@@ -126,3 +126,13 @@ def test_without_a_parser_the_reasoning_stays_in_the_answer(thinking_model):
     with serve(thinking_model, reasoning_parser="none") as running:
         message = chat(running, max_tokens=6).json()["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"]
+
+
+def test_responses_reasoning_effort_none_turns_the_thinking_off(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    response = client.responses.create(model="kvserve", input="What is the weather in Paris?", max_output_tokens=6,
+                                       temperature=0, reasoning={"effort": "none"})
+    assert [item.type for item in response.output] == ["message"] and response.output_text
+    thinking = client.responses.create(model="kvserve", input="What is the weather in Paris?", max_output_tokens=6,
+                                       temperature=0, reasoning={"effort": "high"})
+    assert [item.type for item in thinking.output] == ["reasoning"]  # the template's <think> stays open
