@@ -110,10 +110,7 @@ def pieces(split: Reasoning | None, piece: str, done: bool) -> list[tuple[str, s
     """A new piece of text as (block type, text) pairs: reasoning in "thinking", the answer in "text"."""
     if split is None:
         return [("text", piece)] if piece else []
-    thought, said = split.push(piece)
-    if done:
-        more = split.finish()
-        thought, said = thought + more[0], said + more[1]
+    thought, said = split.take(piece, done)
     return [(kind, t) for kind, t in (("thinking", thought), ("text", said)) if t]
 
 

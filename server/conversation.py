@@ -145,6 +145,5 @@ class Prompt:
         split = self.reasoning()
         if split is None:
             return None, text
-        split.push(text)
-        split.finish()
+        split.take(text, last=True)
         return (split.reasoning if split.entered else None), split.answer

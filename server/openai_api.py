@@ -274,10 +274,7 @@ class ChatText(ChoiceText):
             if "tool_calls" in message:
                 delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(message["tool_calls"])]
         elif self.split is not None and text is not None:
-            thought, said = self.split.push(text)
-            if finish is not None:
-                more = self.split.finish()
-                thought, said = thought + more[0], said + more[1]
+            thought, said = self.split.take(text, finish is not None)
             delta = ({"reasoning_content": thought} if thought else {}) | ({"content": said} if said else {})
             if not delta and finish is None:
                 return None  # all held back (the start of a tag): these tokens stay pending

@@ -87,6 +87,14 @@ class Reasoning:
         self.answer += said_answer
         return said_reasoning, said_answer
 
+    def take(self, piece: str, last: bool) -> tuple[str, str]:
+        """push(piece), and with the reply's last piece what finish() releases too: what a renderer sends now."""
+        thought, said = self.push(piece)
+        if last:
+            more = self.finish()
+            thought, said = thought + more[0], said + more[1]
+        return thought, said
+
     def finish(self) -> tuple[str, str]:
         """What was held back at the end: an unclosed tag's start is reasoning; before any, the answer's."""
         held, self.held = self.held, ""

@@ -149,10 +149,7 @@ class ResponseReply:
         """A new piece of text as (the item it belongs to, as it starts; its text): reasoning, then message."""
         if split is None:
             return [(self.message("", "in_progress"), piece)] if piece else []
-        thought, said = split.push(piece)
-        if done:
-            more = split.finish()
-            thought, said = thought + more[0], said + more[1]
+        thought, said = split.take(piece, done)
         return [(item, text) for item, text in ((self.thought(""), thought), (self.message("", "in_progress"), said))
                 if text]
 
