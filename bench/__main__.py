@@ -1,4 +1,4 @@
-"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp,families,quants,perplexity}: measured comparisons, as tables, JSON and plots."""
+"""python -m bench {memory,speed,cache,decode,serve,prefix,soak,storm,structured,faults,tp,families,quants,perplexity,spec}: measured comparisons, as tables, JSON and plots."""
 
 from __future__ import annotations
 
@@ -146,6 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     quants.add_argument("--new-tokens", type=int, default=64)
     quants.add_argument("--repeats", type=int, default=3)
     quants.add_argument("--compile", choices=("auto", "on", "off"), default="on")
+
+    spec = command("spec", help="speculative decoding vs none: tasks that quote their input, JSON, free chat, mixed "
+                                "streams; tokens/s and whether the output stayed the same")
+    spec.add_argument("--model", default=None, help="checkpoint (default: the default model)")
+    spec.add_argument("--dtype", default="auto")
+    spec.add_argument("--compile", default="on", choices=["auto", "on", "off"])
+    spec.add_argument("--speculative", default="auto", choices=["ngram", "suffix", "auto"])
+    spec.add_argument("--num-speculative-tokens", type=int, default=4)
+    spec.add_argument("--streams", type=int, default=16, help="requests of the mixed load, decoded side by side")
+    spec.add_argument("--max-tokens", type=int, default=200)
+    spec.add_argument("--repeats", type=int, default=2)
+    spec.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-server: its n-gram speculation "
+                                                     "on the same GGUF as the reference")
+    spec.add_argument("--gguf", type=Path, help="the GGUF file llama-server reads (default: the model's model.gguf)")
 
     perplexity = command("perplexity", help="kvserve's perplexity beside llama-perplexity's on the same GGUF file and "
                                              "text, chunked as llama.cpp chunks it")

@@ -87,13 +87,14 @@ def cache_bytes() -> tuple[list[list], dict]:
 
 
 @contextmanager
-def llama_server(binary: Path, gguf: Path, threads: int, slots: int = 1, started: list | None = None):
-    """llama.cpp's server on `gguf` with `slots` parallel sequences (1024 positions each), until the block ends; yields
-    its URL (and appends its process to `started`, when given)."""
+def llama_server(binary: Path, gguf: Path, threads: int, slots: int = 1, started: list | None = None,
+                 extra: tuple[str, ...] = ()):
+    """llama.cpp's server on `gguf` with `slots` parallel sequences (1024 positions each) and `extra` flags, until the
+    block ends; yields its URL (and appends its process to `started`, when given)."""
     port = free_port()
     process = subprocess.Popen([str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
                                 "-c", str(max(4096, 1024 * slots)), "-np", str(slots), "--port", str(port),
-                                "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "--host", "127.0.0.1", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if started is not None:
         started.append(process)
     url = f"http://127.0.0.1:{port}"

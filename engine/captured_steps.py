@@ -3,7 +3,8 @@ hundreds of kernels one by one; a captured graph launches them all at once.
 
 A graph replays fixed kernels on fixed addresses and shapes. So every input of a step lives in a buffer of this
 object's, sized once for the slots, and the shapes come from two short lists:
-- batch sizes: powers of two up to the slots, and the slots themselves. A batch is padded up to the next one by
+- batch sizes: powers of two up to the most rows a step runs (the slots, times 1 + drafts where speculative
+  decoding verifies them), and that number itself. A batch is padded up to the next one by
   repeating its first row: the copies write the same K/V at the same place as that row, and their logits are
   dropped;
 - key lengths: powers of two from 64 up to T, and T. The mask hides the keys past each row's own, so a step's
@@ -50,14 +51,14 @@ def padded_to(sizes: list[int], n: int) -> int:
 
 
 class CapturedSteps:
-    def __init__(self, step: Step, cache: KVCache, capture: bool = True):
+    def __init__(self, step: Step, cache: KVCache, rows: int, capture: bool = True):
         device = cache.device
         self.step, self.cache_groups = step, cache.groups
         self.capture = capture  # False: each replay runs the step on the buffers (how the CPU tests the padding)
-        self.batch_sizes = padded_sizes(cache.slots)
+        self.batch_sizes = padded_sizes(rows)
         self.key_lengths = padded_sizes(cache.max_seq_len, min(SHORTEST_KEYS, cache.max_seq_len))
         # Row r: its token, its slot, its position (= the keys it holds before this step).
-        self.inputs = torch.zeros(3, cache.slots, dtype=torch.long, device=device)  # (3, slots)
+        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=device)  # (3, rows)
         self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self.pool = None  # the graphs' shared memory pool, once the first is captured
 

@@ -5,25 +5,28 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from engine.batch import PrefillBatch
+from engine.drafts import NGRAM_SIZES, SPECULATIVE_MODES, DraftBudget, NgramIndex, StepCosts, SuffixCorpus
 from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
 from engine.grammar import Grammars, allowed_tokens, short
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.linear.planner import QUANTIZE_MODES, summary
 from engine.linear.quantized import WeightOnlyLinear
 from engine.models.model import Transformer, weights_bytes
-from engine.request import FinishReason, Request, RequestFailed, Status, TokenEvent
+from engine.request import Draft, FinishReason, Request, RequestFailed, Status, TokenEvent
 from engine.rope import RotaryTable
 from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler, SlotState
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
+MAX_SPECULATIVE_TOKENS = 16  # drafts verified per request and step, at most
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
 
 log = logging.getLogger("kvserve.engine")
@@ -50,6 +53,14 @@ class EngineConfig:
     # Sliding-window layers (Gemma 3) keep T positions, as global ones do, instead of a ring of their window:
     # more memory, and any shared prefix reusable (llama.cpp's --swa-full).
     full_windows: bool = False
+    # Speculative decoding (engine/drafts.py): a decode step also runs up to num_speculative_tokens guessed tokens
+    # per request through the model and keeps those the sampler would have produced there: more tokens per step
+    # where the text can be guessed, and never a different output. off | ngram (the request's own prompt and
+    # output) | suffix (recently finished requests' outputs) | auto (both); a grammar's forced tokens are drafted
+    # whenever it is not off.
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    suffix_tokens: int = 16384  # tokens of finished requests the suffix method drafts from, at most
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -62,6 +73,13 @@ class EngineConfig:
             parse_bytes(self.kv_cache_memory)  # fails now, with the text, rather than at start
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.suffix_tokens < 0:
+            raise ValueError(f"suffix_tokens must be >= 0, got {self.suffix_tokens}")
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
         if self.quantize in ("int4", "int8") and self.dtype not in ("auto", "bfloat16"):
@@ -102,12 +120,22 @@ class Engine:
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
         self.scheduler = Scheduler(slots, config.prefix_caching, copy_min_tokens=config.prefill_chunk_size,
                                    ring=self.cache.ring_capacity)
-        self.executor = DecodeExecutor(model, self.rotary, self.cache)
+        # Drafts are verified as rows of their slot at consecutive positions, which a ring (a sliding layer that
+        # keeps only its window) cannot hold: the newest row's entry is one the oldest still reads.
+        self.speculative = config.speculative if self.cache.ring_capacity is None else "off"
+        if self.speculative != config.speculative:
+            log.info("speculative decoding is off: sliding-window layers keep only their window (full_windows keeps "
+                     "every position and allows it)")
+        drafts = config.num_speculative_tokens if self.speculative != "off" else 0
+        self.executor = DecodeExecutor(model, self.rotary, self.cache, rows=slots * (1 + drafts))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed if config.seed is not None else torch.seed())
         self._grammars: Grammars | None = None
         self._grammars_made = threading.Lock()
+        self.draft_totals = (0, 0)  # draft tokens verified, and kept, since the engine started
+        self.step_costs = StepCosts()  # what a decode row costs here: how many drafts pay (DraftBudget)
+        self.corpus = SuffixCorpus(config.suffix_tokens) if self.speculative in ("suffix", "auto") else None
         for entry in summary(list(model.plan)):  # which layer serves each product, decided as the model was built
             log.info("linear %s (x%d): %s, %s", entry["matrices"], entry["count"], entry["layer"], entry["reason"])
         log.info(self.cache.describe())
@@ -240,7 +268,8 @@ class Engine:
         not yet written (at most `prefill_chunk_size` tokens), then one decode step for the requests past theirs.
 
         A long prompt is written over several steps, so running requests keep getting tokens meanwhile.
-        Every request past its prefill gets exactly one new token per step, or fails alone (RequestFailed).
+        Every request past its prefill gets one new token per step (more where speculation verified drafts),
+        or fails alone (RequestFailed).
         """
         decoding = [r for r in self.scheduler.decoding() if r.output_ids]
         for request in self.scheduler.admit():
@@ -248,7 +277,7 @@ class Engine:
                 self.cache.copy_prefix(request.copy_from, request.slot, request.reused_tokens)
         events = self._prefill([r for r in self.scheduler.running.values() if not r.output_ids])  # oldest first
         if decoding:
-            events += self._isolated(self._decode, decoding)
+            events += self._decode_step(decoding)
         return events
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -339,6 +368,17 @@ class Engine:
         return self.model.config
 
     @property
+    def speculation(self) -> dict:
+        """What speculative decoding does here: the method (off where the cache cannot verify drafts), the drafts
+        per step at most, the drafts verified and kept so far, and the fit of a step's cost in its rows."""
+        line = self.step_costs.line()
+        return {"method": self.speculative, "requested": self.config.speculative,
+                "num_speculative_tokens": self.config.num_speculative_tokens if self.speculative != "off" else 0,
+                "suffix_tokens": self.corpus.tokens if self.corpus is not None else 0,
+                "draft_tokens": self.draft_totals[0], "accepted_tokens": self.draft_totals[1],
+                "step_seconds": None if line is None else {"fixed": line[0], "per_row": line[1]}}
+
+    @property
     def plan(self) -> tuple:
         """Which layer serves each linear product and why (engine/linear/planner.py), decided as the model was built."""
         return tuple(self.model.plan)
@@ -363,10 +403,10 @@ class Engine:
             batch = PrefillBatch([slot], [start], [length], self.device)
             yield self.model(tokens[None, start:start + length], self.rotary, self.cache, batch)
 
-    def _isolated(self, run: Callable[[list[Request]], list[Choice | None]],
+    def _isolated(self, run: Callable[[list[Request]], list[list[Choice]]],
                   requests: list[Request]) -> list[TokenEvent | RequestFailed]:
-        """run(requests) -> each one's next token (None: not yet); if it raises, each request again alone, so
-        one request's failure ends only that request.
+        """run(requests) -> each one's next tokens, in order (none: not yet); if it raises, each request again
+        alone, so one request's failure ends only that request.
 
         Running a pass again is safe: it rewrites the same cache positions with the same values, and
         tokens are appended only once the whole pass has sampled.
@@ -378,7 +418,13 @@ class Engine:
                 return [event for r in requests for event in self._isolated(run, [r])]
             log.exception("request %s failed", requests[0].request_id)
             return [self._fail(requests[0], f"generation failed: {type(e).__name__}: {e}")]
-        return [self._append(r, choice) for r, choice in zip(requests, choices) if choice is not None]
+        events = []
+        for request, chosen in zip(requests, choices):
+            for choice in chosen:  # until one ends the request (EOS, a stop string, the grammar)
+                events.append(self._append(request, choice))
+                if request.finished:
+                    break
+        return events
 
     def _fail(self, request: Request, message: str, by_grammar: bool = False) -> RequestFailed:
         self._finish(request, FinishReason.ERROR)
@@ -391,6 +437,8 @@ class Engine:
         written = (request.prompt_ids + request.output_ids)[: request.cached_tokens]
         self.scheduler.release(request, keep=written if reason is not FinishReason.ERROR else [])
         self.requests.pop(request.request_id, None)
+        if self.corpus is not None and reason is not FinishReason.ERROR:  # the prompt's end leads into the output
+            self.corpus.add(request.prompt_ids[-max(NGRAM_SIZES):] + request.output_ids)
 
     def _prefill(self, requests: list[Request]) -> list[TokenEvent | RequestFailed]:
         """One forward pass over the next prompt chunks of `requests` (oldest first), right-padded rows of at
@@ -434,7 +482,7 @@ class Engine:
             request.prefilled += n
             if row in scores:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + scores[row]
-        return [choices.get(row) for row in range(len(requests))]
+        return [[choices[row]] if row in choices else [] for row in range(len(requests))]
 
     def _score_prompt(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[Choice]:
         """hidden (m, hidden) of prompt positions -> the log-probability of each next prompt token in `targets`.
@@ -449,10 +497,108 @@ class Engine:
             scores += score(logits, rows, [top_n] * len(rows))
         return scores
 
-    def _decode(self, requests: list[Request]) -> list[Choice]:
+    def _decode_step(self, requests: list[Request]) -> list[TokenEvent | RequestFailed]:
+        """One new token for each request, or, where speculation drafted some, one to k + 1 (verified in one pass
+        with the rows that have none). Without drafts this step runs as compiled (or captured)."""
+        if self.speculative == "off":
+            return self._isolated(self._decode, requests)
+        threshold = self.step_costs.threshold(len(requests))
+        drafts = {r.request_id: d for r in requests if (d := self._draft(r, threshold)) is not None}
+        started = time.perf_counter()
+        if not drafts:
+            events = self._isolated(self._decode, requests)
+        else:
+            events = self._isolated(lambda group: self._verify(group, [drafts.get(r.request_id, ("", []))[1]
+                                                                       for r in group]), requests)
+        rows = len(requests) + sum(len(tokens) for _, tokens in drafts.values())
+        self.step_costs.observe(rows, time.perf_counter() - started)
+        reported = set()
+        for i, event in enumerate(events):
+            if event.request_id in drafts and event.request_id not in reported and isinstance(event, TokenEvent):
+                reported.add(event.request_id)
+                method, proposed = drafts[event.request_id]
+                emitted = [e.token_id for e in events[i:] if e.request_id == event.request_id]
+                accepted = next((j for j, (a, b) in enumerate(zip(emitted, proposed)) if a != b),
+                                min(len(emitted), len(proposed)))
+                request = self.requests.get(event.request_id)
+                if request is not None and request.budget is not None and method != "grammar":
+                    request.budget.update(len(proposed), accepted)
+                events[i] = replace(event, draft=Draft(method, len(proposed), accepted))
+                self.draft_totals = (self.draft_totals[0] + len(proposed), self.draft_totals[1] + accepted)
+        return events
+
+    def _decode(self, requests: list[Request]) -> list[list[Choice]]:
         logits = self.executor.forward([r.output_ids[-1] for r in requests], [r.slot for r in requests],
                                        [r.cached_tokens for r in requests])  # (b, V)
-        return self._select(logits, requests)
+        return [[choice] for choice in self._select(logits, requests)]
+
+    def _draft(self, request: Request, threshold: float) -> tuple[str, list[int]] | None:
+        """(method, tokens) guessed to follow the request's newest token, or None: its grammar's forced tokens,
+        else a match of its newest n-gram in its own tokens (ngram) or in recently finished requests (suffix),
+        the longer match where both are on (auto). At most what the request may still emit, less one: the
+        verification adds the sampler's own token after them; n-gram drafts as many as pay at the request's rate
+        of right drafts (DraftBudget, against `threshold`, StepCosts'), forced tokens always."""
+        room = min(self.config.num_speculative_tokens, request.params.max_new_tokens - len(request.output_ids) - 1,
+                   self.max_seq_len - request.num_tokens)
+        if room <= 0:
+            return None
+        if request.grammar is not None and not (request.grammar.is_stopped() or request.grammar.is_error()):
+            forced = request.grammar.compute_ff_tokens()[:room]
+            if forced:
+                return "grammar", forced
+        if request.budget is None:
+            request.budget = DraftBudget(self.config.num_speculative_tokens)
+            request.ngrams = NgramIndex()
+            request.ngrams.extend(request.prompt_ids)
+        k = min(room, request.budget.allowed(threshold))
+        index = request.ngrams
+        index.extend(request.output_ids[len(index.tokens) - len(request.prompt_ids):])
+        if k == 0:
+            return None
+        own = index.match() if self.speculative in ("ngram", "auto") else None
+        shared = self.corpus.propose(index.tokens, k) if self.corpus is not None else (0, [])
+        if own is not None and own[0] >= shared[0]:
+            return "ngram", index.propose(k)
+        return ("suffix", shared[1]) if shared[1] else None
+
+    def _verify(self, requests: list[Request], drafts: list[list[int]]) -> list[list[Choice]]:
+        """One decode forward over each request's newest token and its drafts, a row per position (k + 1 rows of
+        its slot at consecutive positions: each row's K/V is written before any row attends, so each reads the
+        drafts before it), then position by position the plain sampler's token for every request that kept all
+        its drafts before it. A draft is kept only where it is that token, so a request gets exactly the tokens
+        plain decoding gives it; a request without drafts gets one token, as in _decode.
+
+        Rows rather than a prompt-like pass over k + 1 positions: the same kernels at the same shapes per row as
+        a decode step, so a verified token's logits are a decoded token's, not a prefill's (which differ in the
+        last bits, enough to flip a near tie). The K/V of rejected drafts stay past the request's length, unread,
+        until overwritten. The request itself does not change (its grammar is rolled back), so a failed pass can
+        run again.
+        """
+        rows = [[r.output_ids[-1], *d] for r, d in zip(requests, drafts)]
+        lengths = [len(row) for row in rows]
+        logits = self.executor.forward([t for row in rows for t in row],
+                                       [r.slot for r, n in zip(requests, lengths) for _ in range(n)],
+                                       [r.cached_tokens + j for r, n in zip(requests, lengths) for j in range(n)])
+        starts = list(itertools.accumulate([0] + lengths[:-1]))  # logits (sum of lengths, V): request by request
+        trials = [Trial(r, self.tokenizer.eos_token_ids if self.tokenizer else ()) for r in requests]
+        chosen: list[list[Choice]] = [[] for _ in requests]
+        live = list(range(len(requests)))
+        try:
+            for j in range(max(lengths)):
+                live = [i for i in live if j < lengths[i]]
+                if not live:
+                    break
+                picks = self._select(logits[[starts[i] + j for i in live]], [trials[i] for i in live])
+                kept = []
+                for i, choice in zip(live, picks):
+                    chosen[i].append(choice)
+                    if j < len(drafts[i]) and choice.token == drafts[i][j] and trials[i].take(choice.token):
+                        kept.append(i)  # its draft j was right: position j + 1 is sampled too
+                live = kept
+        finally:
+            for trial in trials:
+                trial.undo()
+        return chosen
 
     def _select(self, logits: torch.Tensor, requests: list[Request]) -> list[Choice]:
         """Each request's next token from its logits row (b, V), within what its grammar allows."""
@@ -499,6 +645,54 @@ class Engine:
         return Completion(request.request_id, request.prompt_ids, request.output_ids, request.text,
                           [e.logprob for e in events], request.finish_reason, request.seed,
                           [e.top_logprobs for e in events], request.prompt_logprobs, request.reused_tokens)
+
+
+@dataclass
+class Trial:
+    """A request as the sampler sees it while drafts are verified: its output so far plus the drafts kept, its
+    grammar advanced over them (and rolled back by undo)."""
+
+    request: Request
+    eos_token_ids: tuple[int, ...]
+    output_ids: list[int] = field(init=False)
+    consumed: int = 0  # tokens its grammar took here
+
+    def __post_init__(self) -> None:
+        self.output_ids = list(self.request.output_ids)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def seed(self) -> int:
+        return self.request.seed
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def grammar(self):
+        return self.request.grammar
+
+    def take(self, token: int) -> bool:
+        """Keep a verified draft; whether verification may go on after it (not past an end of the request)."""
+        self.output_ids.append(token)
+        params = self.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return False
+        if self.grammar is None:
+            return True
+        if not self.grammar.consume_token(token):
+            return False
+        self.consumed += 1
+        return not self.grammar.is_stopped()
+
+    def undo(self) -> None:
+        if self.consumed:
+            self.grammar.rollback(self.consumed)
+            self.consumed = 0
 
 
 __all__ = ["Completion", "Engine", "EngineConfig"]

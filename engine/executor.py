@@ -139,9 +139,12 @@ class GraphDecodeBatch:
 
 
 class DecodeExecutor:
-    def __init__(self, model: Transformer, rotary: RotaryTable, cache: KVCache):
+    def __init__(self, model: Transformer, rotary: RotaryTable, cache: KVCache, rows: int | None = None):
         self.model, self.rotary, self.cache = model, rotary, cache
-        self.buckets = batch_buckets(model, cache.slots)
+        # The most rows a step runs: one per slot, or with speculative decoding one per slot and draft (a row per
+        # verified position: Engine._verify).
+        self.rows = rows or cache.slots
+        self.buckets = batch_buckets(model, self.rows)
         self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready (CPU)
         self.reads_cache = kernels_run_on(cache.device)  # attention by kvserve's kernel (CPU, where it loads)
         self.captured: CapturedSteps | None = None  # CUDA graphs, captured as each size is first used (CUDA)
@@ -161,7 +164,10 @@ class DecodeExecutor:
         return [name for name, smallest in self.buckets.items() if smallest <= batch_size][-1]
 
     def forward(self, tokens: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
-        """One new token per slot at its length -> next-token logits (b, V) float32."""
+        """One new token per row at its length (its position) in its slot -> next-token logits (b, V) float32.
+
+        Rows may share a slot at consecutive positions (drafts being verified): every row's K/V is written before
+        any row attends, so each reads its own slot's earlier positions, this step's included."""
         if self.captured is not None:
             return self.captured.forward(tokens, slots, lengths)
         device = self.cache.device
@@ -189,7 +195,7 @@ class DecodeExecutor:
         """Decode through CUDA graphs from the next step on, each (batch size, key length) captured at its first use
         (graphs=False: the same padded steps, run eagerly; the CPU tests the padding so)."""
         step = functools.partial(self.step, attention=grouped_attention)
-        self.captured = CapturedSteps(step, self.cache, capture=graphs)
+        self.captured = CapturedSteps(step, self.cache, self.rows, capture=graphs)
         log.info("decode steps run as CUDA graphs, each batch size (%s) and key length (%s) captured at first use",
                  ", ".join(map(str, self.captured.batch_sizes)), ", ".join(map(str, self.captured.key_lengths)))
 
@@ -202,7 +208,14 @@ class DecodeExecutor:
         unguarded = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         # cpp_wrapper: the code that calls a step's few hundred kernels is C++ too, not Python (a sixth of a batch-1
         # step of the default model, measured side by side; a cold compile takes longer).
-        compiled = torch.compile(self.step, options={"guard_filter_fn": unguarded, "cpp_wrapper": True})
+        # emulate_precision_casts: a bfloat16 intermediate is rounded where eager rounds it, also inside a fused
+        # kernel. Without it, a fusion that depends on the shapes (the one-row graph fuses a residual add into the
+        # norm's sum of squares, which then reads the unrounded float) gives each graph other last bits, enough to
+        # flip a near tie; with it, a row's logits are the eager step's bits in every graph, at every batch size
+        # (kvserve's kernels compute each row alone), so speculative decoding's verification rows, a batch of 16
+        # and a single stream all decode the same tokens.
+        compiled = torch.compile(self.step, options={"guard_filter_fn": unguarded, "cpp_wrapper": True,
+                                                  "emulate_precision_casts": True})
         first = time.perf_counter()
         for name, (batch_size, largest) in ((name, self.sizes(name)) for name in self.buckets):
             started = time.perf_counter()
@@ -248,7 +261,7 @@ class DecodeExecutor:
         following = [n for n in self.buckets.values() if n > smallest]
         if following:
             return smallest, following[0] - 1
-        return smallest, smallest if smallest == self.cache.slots else None
+        return smallest, smallest if smallest == self.rows else None
 
     def describe(self, bucket: str) -> str:
         """The batch sizes a bucket serves, in words."""
@@ -258,10 +271,10 @@ class DecodeExecutor:
         return f"batch {smallest}" if largest == smallest else f"batches of {smallest} to {largest}"
 
 
-def batch_buckets(model: Transformer, slots: int) -> dict[str, int]:
-    """Each decode bucket, named by the batch sizes it serves, by the smallest: one sequence, then larger batches,
-    split wherever a layer changes form (TwoForms) at a batch the slots can hold."""
+def batch_buckets(model: Transformer, rows: int) -> dict[str, int]:
+    """Each decode bucket, named by the batch sizes it serves, by the smallest: one row, then larger batches,
+    split wherever a layer changes form (TwoForms) at a batch of at most `rows` (the most a step runs)."""
     switches = {m.dense_from for m in model.modules() if isinstance(m, TwoForms) and m.dense_from is not None}
-    starts = sorted({1} | {n for n in {2} | switches if 2 <= n <= slots})  # one slot: no batch larger than 1
-    ends = [n - 1 for n in starts[1:]] + [slots if starts[-1] == slots else None]
+    starts = sorted({1} | {n for n in {2} | switches if 2 <= n <= rows})  # one row at most: no larger batch
+    ends = [n - 1 for n in starts[1:]] + [rows if starts[-1] == rows else None]
     return {str(a) if a == b else f"{a}+" if b is None else f"{a}-{b}": a for a, b in zip(starts, ends)}

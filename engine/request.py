@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.drafts import DraftBudget, NgramIndex
 from engine.sampler import Choice
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
@@ -29,6 +30,16 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Draft:
+    """What speculative decoding did for one request in one step: `proposed` draft tokens by `method` (ngram,
+    suffix, grammar), of which the first `accepted` were what the sampler produced there anyway."""
+
+    method: str
+    proposed: int
+    accepted: int
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token, as the caller sees it."""
 
@@ -44,6 +55,7 @@ class TokenEvent:
     # On a request's first event when it asked for prompt_logprobs: prompt tokens 1.. as scored by their prefix.
     prompt_logprobs: tuple[Choice, ...] | None = None
     reused_prompt_tokens: int | None = None  # on a request's first event: prompt tokens whose K/V were kept, not computed
+    draft: Draft | None = None  # on the first event of a step that verified drafts for this request
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,8 @@ class Request:
     prefilled: int = 0  # leading prompt tokens its slot holds: reused, then written chunk by chunk
     copy_from: int | None = None  # at admission: the running slot its reused tokens are copied from
     grammar: LLMatcher | None = None  # follows the output through params.grammar, when the request has one
+    ngrams: NgramIndex | None = None  # its prompt and output, for drafts (speculative decoding): made at first use
+    budget: DraftBudget | None = None  # how many drafts it proposes, from its recent acceptance
 
     @property
     def num_tokens(self) -> int:

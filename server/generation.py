@@ -38,6 +38,12 @@ class Generation:
     def text(self) -> str:
         return "".join(e.text for e in self.events)
 
+    @property
+    def draft_tokens(self) -> tuple[int, int]:
+        """(proposed, accepted): the draft tokens speculative decoding verified for this request, and those kept."""
+        drafts = [e.draft for e in self.events if e.draft is not None]
+        return sum(d.proposed for d in drafts), sum(d.accepted for d in drafts)
+
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         """Events in order; a failure after the stream started raises APIError."""
         stream, metrics = self.stream, self.metrics
@@ -59,6 +65,8 @@ class Generation:
                 last_at = item.at
                 self.events.append(item.event)
                 metrics.generation_tokens.inc()
+                if item.event.draft is not None:
+                    metrics.observe_draft(item.event.draft)
                 if item.event.finish_reason is not None:
                     metrics.request_duration.observe(item.at - stream.arrived_at)
                     metrics.requests.labels(finish_reason=item.event.finish_reason.value).inc()

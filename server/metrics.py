@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
+    from engine.request import Draft
     from server.runner import EngineRunner
 
 # Buckets wide enough for a 2-core CPU (tens of ms per token) and a GPU (a few ms).
@@ -43,6 +44,14 @@ class Metrics:
         self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens sent to clients.", registry=r)
         self.requests = Counter("kvserve_requests", "Finished requests.", ["finish_reason"], registry=r)
         self.failures = Counter("kvserve_request_failures", "Requests refused or failed.", ["reason"], registry=r)
+        self.draft_tokens = Counter("kvserve_spec_decode_draft_tokens", "Draft tokens speculative decoding verified.",
+                                    ["method"], registry=r)
+        self.accepted_tokens = Counter("kvserve_spec_decode_accepted_tokens",
+                                       "Of those, the ones kept (what the sampler produced there anyway).", ["method"],
+                                       registry=r)
+        self.accepted_by_position = Counter(
+            "kvserve_spec_decode_accepted_tokens_per_position", "Kept drafts by their place in a step's drafts (1: "
+            "the first after the request's newest token).", ["position"], registry=r)
         gauges = {
             "kvserve_requests_running": ("Requests holding a KV-cache slot.", lambda: runner.snapshot.running),
             "kvserve_requests_waiting": ("Requests waiting for a slot.", lambda: runner.snapshot.waiting),
@@ -59,6 +68,12 @@ class Metrics:
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
+
+    def observe_draft(self, draft: Draft) -> None:
+        self.draft_tokens.labels(method=draft.method).inc(draft.proposed)
+        self.accepted_tokens.labels(method=draft.method).inc(draft.accepted)
+        for position in range(1, draft.accepted + 1):
+            self.accepted_by_position.labels(position=str(position)).inc()
 
     def summary(self) -> dict[str, float | None]:
         """The figures a live view shows, read from the same series /metrics exports: tokens so far, and the mean

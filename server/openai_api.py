@@ -26,8 +26,12 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 def usage(gens: list[generation.Generation]) -> dict:
     """One prompt for all choices; the tokens of every choice."""
     prompt, completion = len(gens[0].stream.prompt_ids), sum(len(g.events) for g in gens)
+    proposed, accepted = (sum(n) for n in zip(*(g.draft_tokens for g in gens)))
+    # Speculative decoding's drafts, in the fields OpenAI reports its predicted outputs' in.
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": gens[0].reused_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": gens[0].reused_prompt_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": proposed - accepted}}
 
 
 def model_name(request: Request) -> str:

@@ -32,6 +32,8 @@ class Settings:
     compile: str = "auto"
     prefix_caching: str = "on"
     swa_full: str = "off"
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
     request_timeout: float = 0  # seconds; 0: none
     max_queue_wait: float = 0  # seconds; 0: none
     tool_call_parser: str = "auto"
@@ -95,7 +97,8 @@ class Settings:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                             kv_cache_memory=self.kv_cache_memory, device=self.device, dtype=self.dtype, seed=self.seed,
                             quantize=self.quantize, dense_copies=self.dense_copies == "on", compile=self.compile,
-                            prefix_caching=self.prefix_caching == "on", full_windows=self.swa_full == "on")
+                            prefix_caching=self.prefix_caching == "on", full_windows=self.swa_full == "on",
+                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens)
 
 
 FLAGS = [
@@ -131,6 +134,12 @@ FLAGS = [
     ("swa_full", str, "on or off: sliding-window layers (Gemma 3) keep every position, as global layers do, instead "
                       "of only their window: more memory, and any shared prefix reusable (off: a conversation's "
                       "prefix is reused only whole once it outgrows the window)"),
+    ("speculative", str, "off, ngram, suffix or auto: speculative decoding, which never changes a request's output: "
+                         "each step also verifies guessed tokens, from the request's own prompt and output (ngram), "
+                         "from recently finished replies (suffix) or both (auto), and a grammar's forced tokens, and "
+                         "keeps those the sampler would have produced; more tokens per step where text repeats its "
+                         "input (quotes, code edits, repeated tool calls)"),
+    ("num_speculative_tokens", int, "drafts verified per request and step, at most (fewer where they do not pay)"),
     ("ui", str, "on or off: GET / in a browser serves the playground (chat, tokens, the KV cache's slots live)"),
     ("tool_call_parser", str, "auto, hermes or llama3: how the model writes tool calls (<tool_call> blocks, or "
                               "Llama 3's bare JSON); auto reads it from the chat template"),

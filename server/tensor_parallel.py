@@ -174,8 +174,9 @@ def follow(engine: Engine, channel: Channel) -> None:
 
 
 def engine_config(config: EngineConfig, seed: int) -> EngineConfig:
-    """Every rank's config: one seed for all (so sampling agrees), eager decode."""
-    return dataclasses.replace(config, seed=seed, compile="off")
+    """Every rank's config: one seed for all (so sampling agrees), eager decode, no speculation (how many drafts a
+    step verifies follows each process's own timings, and every rank must run the same rows)."""
+    return dataclasses.replace(config, seed=seed, compile="off", speculative="off")
 
 
 def threads_per_rank(local_ranks: int) -> int:

@@ -39,7 +39,9 @@ def details(gen: generation.Generation, input_length: int, with_tokens: bool, to
     last = gen.events[-1]
     body = {"finish_reason": TGI_FINISH[last.finish_reason], "generated_tokens": len(gen.events),
             "seed": None if gen.stream.params.greedy else gen.stream.seed, "input_length": input_length,
-            "cached_input_tokens": gen.reused_prompt_tokens}
+            "cached_input_tokens": gen.reused_prompt_tokens,
+            # Speculative decoding: draft tokens verified for this request, and those kept (output unchanged).
+            "draft_tokens": gen.draft_tokens[0], "accepted_draft_tokens": gen.draft_tokens[1]}
     if with_tokens:
         body |= {"prefill": prefill(gen, tokenizer), "tokens": [token(e) for e in gen.events]}
         if gen.stream.params.top_logprobs:

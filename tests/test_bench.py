@@ -155,3 +155,14 @@ def test_perplexity_bench_scores_a_gguf_against_its_own_weights_in_float32(tmp_p
     assert scores["perplexity"] > 1 and scores["float32 perplexity"] > 1
     assert 0 <= scores["kl_divergence"] < 0.5 and 0 <= scores["same_top"] <= 1
     assert "llama.cpp" not in payload and "llama.cpp not run" in (tmp_path / "perplexity.md").read_text()
+
+
+def test_spec_keeps_every_output_of_the_default_model(tmp_path):
+    bench(tmp_path, "spec", "--compile", "off")
+    payload = json.loads((tmp_path / "spec.json").read_text())
+    assert list(payload["results"]) == ["rename", "quote", "json", "chat", "mixed x4"]
+    for result in payload["results"].values():
+        assert result["identical"]
+        assert 0 <= result["accepted_tokens"] <= result["draft_tokens"]
+    assert payload["results"]["quote"]["accepted_tokens"] > 0
+    assert payload["speculative"]["method"] == "auto"

@@ -262,12 +262,12 @@ def test_decode_buckets_split_where_any_layer_switches_within_the_slots():
     def layers(*switches):
         return torch.nn.ModuleList([TwoForms(torch.nn.Identity(), torch.nn.Identity(), n) for n in switches])
 
-    assert batch_buckets(layers(None), slots=8) == {"1": 1, "2+": 2}
-    assert batch_buckets(layers(3, 3, None), slots=4) == {"1": 1, "2": 2, "3+": 3}
-    assert batch_buckets(layers(3, 6), slots=8) == {"1": 1, "2": 2, "3-5": 3, "6+": 6}
-    assert batch_buckets(layers(3, 6), slots=5) == {"1": 1, "2": 2, "3+": 3}  # a switch past the slots never happens
-    assert batch_buckets(layers(1, 2), slots=8) == {"1": 1, "2+": 2}
-    assert batch_buckets(layers(None), slots=1) == {"1": 1}  # one slot never batches
+    assert batch_buckets(layers(None), rows=8) == {"1": 1, "2+": 2}
+    assert batch_buckets(layers(3, 3, None), rows=4) == {"1": 1, "2": 2, "3+": 3}
+    assert batch_buckets(layers(3, 6), rows=8) == {"1": 1, "2": 2, "3-5": 3, "6+": 6}
+    assert batch_buckets(layers(3, 6), rows=5) == {"1": 1, "2": 2, "3+": 3}  # a switch past the slots never happens
+    assert batch_buckets(layers(1, 2), rows=8) == {"1": 1, "2+": 2}
+    assert batch_buckets(layers(None), rows=1) == {"1": 1}  # one row at most never batches
 
 
 def test_the_server_takes_dense_copies_counts_their_bytes_and_reports_its_plan(model_dir):

@@ -1,0 +1,163 @@
+"""Speculative decoding: tokens per second with drafts verified vs without, on tasks whose output can and cannot be
+guessed from their input, and whether the output stayed the same.
+
+Two engines on the same model, side by side in one process: plain decoding and speculation on; the second must
+reproduce the first's tokens exactly (on a quantized model, compiled or not: every graph gives a row the eager
+step's bits). A single stream's rate is
+its decode rate (the tokens after the first over the time after it), a mixed load's its tokens over the whole run.
+With --llama-bin, llama.cpp's llama-server runs the single-stream tasks on the same GGUF file, with its n-gram
+speculation and without (its own decode rate, `timings.predicted_per_second`), as the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench.common import machine, machine_line, markdown_table, write_results
+from bench.families import llama_server
+from bench.structured import PERSON
+from engine import EngineConfig, SamplingParams
+from engine.grammar import json_schema_grammar
+from weights.loading import load_engine
+
+PASSAGE = ("The KV cache holds, for every sequence slot, every layer and every position, the keys and values of the "
+           "attention heads, so that a decode step computes attention for one new token against everything before "
+           "it without running the prompt again. Its size is two times the slots times the layers times the positions "
+           "times the key-value heads times the head width, in the cache's element size. Grouped-query attention "
+           "shares each key-value head among several query heads, which divides the cache by that ratio.")
+
+
+def code_snippet() -> str:
+    """About 300 tokens of this repository's own Python: what the rename task rewrites."""
+    source = (Path(__file__).resolve().parents[1] / "engine" / "drafts.py").read_text()
+    start = source.index("@dataclass\nclass NgramIndex")
+    return source[start: start + 1100]
+
+
+def tasks() -> dict[str, tuple[str, dict]]:
+    """name -> (the user's message, SamplingParams overrides)."""
+    return {
+        "rename": ("Rewrite this Python code with the attribute `tokens` renamed to `ids`. Reply with the code only."
+                   f"\n\n```python\n{code_snippet()}\n```", {}),
+        "quote": (f"Repeat the following paragraph exactly, word for word:\n\n{PASSAGE}", {}),
+        "json": ("Invent a person and describe them as a JSON object with name, age, occupation, hobbies and address.",
+                 {"grammar": json_schema_grammar(PERSON), "temperature": 0.7, "seed": 1}),
+        "chat": ("Write a short story about a lighthouse keeper who finds a message in a bottle.", {}),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    from weights.resolve import resolve_model
+
+    streams = 4 if args.quick else args.streams
+    max_tokens = 32 if args.quick else args.max_tokens
+    path = resolve_model(args.model)
+
+    def engine(speculative: str):
+        made = load_engine(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=streams,
+                                              max_seq_len=2048, prefix_caching=False, compile=args.compile, seed=0,
+                                              speculative=speculative,
+                                              num_speculative_tokens=args.num_speculative_tokens))
+        made.compile()
+        return made
+
+    plain, fast = engine("off"), engine(args.speculative)
+    chosen = tasks()
+    prompts = {name: plain.tokenizer.encode_chat([{"role": "user", "content": text}], parse_special=False)
+               for name, (text, _) in chosen.items()}
+
+    def params(name: str) -> SamplingParams:
+        return SamplingParams(**({"max_new_tokens": max_tokens, "temperature": 0} | chosen[name][1]))
+
+    def timed(target, batch: list[tuple[list[int], SamplingParams]]):
+        rates, ids = [], None
+        for _ in range(1 if args.quick else args.repeats):
+            rate, ids = decoded(target, batch)
+            rates.append(rate)
+        return statistics.median(rates), ids
+
+    warm = [(prompts["chat"], SamplingParams(max_new_tokens=8, temperature=0))]
+    for target in (plain, fast):
+        timed(target, warm)
+    rows, results = [], {}
+    mixed = [(prompts[name], params(name)) for name in ("quote", "chat", "rename", "chat") * (streams // 4 or 1)]
+    loads = {name: [(prompts[name], params(name))] for name in chosen} | {f"mixed x{len(mixed)}": mixed}
+    for name, batch in loads.items():
+        before = fast.draft_totals
+        plain_rate, plain_ids = timed(plain, batch)
+        rate, ids = timed(fast, batch)
+        drafted, kept = (a - b for a, b in zip(fast.draft_totals, before))
+        results[name] = {"plain_tok_s": plain_rate, "speculative_tok_s": rate, "speedup": rate / plain_rate,
+                         "tokens": sum(map(len, ids)), "draft_tokens": drafted, "accepted_tokens": kept,
+                         "identical": ids == plain_ids}
+        rows.append([name, f"{plain_rate:.1f}", f"{rate:.1f}", f"{rate / plain_rate:.2f}x", f"{kept}/{drafted}",
+                     "yes" if ids == plain_ids else "NO"])
+    reference = {}
+    if args.llama_bin:
+        gguf = args.gguf or path / "model.gguf"
+        threads = args.threads or torch.get_num_threads()
+        for flags in ("none", "ngram-simple"):
+            extra = () if flags == "none" else ("--spec-type", flags, "--spec-ngram-simple-size-n", "3",
+                                                "--spec-ngram-simple-size-m", str(args.num_speculative_tokens))
+            with llama_server(args.llama_bin / "llama-server", gguf, threads, extra=extra) as url:
+                reference[flags] = {name: llama_rate(url, text, chosen[name][1], max_tokens,
+                                                     1 if args.quick else args.repeats)
+                                    for name, (text, _) in chosen.items()}
+        for name in chosen:
+            theirs = reference["ngram-simple"][name]
+            results[name]["llama_server_ngram_tok_s"] = theirs
+            results[name]["vs_llama_server_ngram"] = results[name]["speculative_tok_s"] / theirs
+            results[name]["llama_server_plain_tok_s"] = reference["none"][name]
+            rows[list(chosen).index(name)] += [f"{theirs:.1f} ({theirs / reference['none'][name]:.2f}x)",
+                                               f"{results[name]['vs_llama_server_ngram']:.2f}x"]
+        for row in rows[len(chosen):]:
+            row += ["-", "-"]
+    payload = {"machine": machine(), "model": str(path), "speculative": fast.speculation, "streams": streams,
+               "max_tokens": max_tokens, "results": results, "llama_server": reference}
+    table = "\n".join([
+        f"# Speculative decoding ({args.speculative}, up to {args.num_speculative_tokens} drafts a step) vs none "
+        f"({'compiled' if fast.compiled_graphs else 'eager'} decode, greedy but json, median of "
+        f"{1 if args.quick else args.repeats} runs)", "", machine_line(payload["machine"]), "",
+        markdown_table(["load", "plain tok/s", "speculative tok/s", "speedup", "kept/drafted",
+                        "same tokens"]
+                       + (["llama-server n-gram tok/s (vs its plain)", "kvserve / llama-server n-gram"]
+                          if reference else []), rows), "",
+        f"A decode step's cost fit in its rows (seconds): {fast.speculation['step_seconds']}.",
+    ])
+    write_results(args.out, "spec", payload, table)
+    print(table)
+    return payload
+
+
+def decoded(engine, batch: list[tuple[list[int], SamplingParams]]) -> tuple[float, list[list[int]]]:
+    """Every request to its end through Engine.step: (tokens/s, each request's tokens). One request: its decode
+    rate, the tokens after its first over the time after it; several: all their tokens over the whole run."""
+    requests = [engine.add_request(prompt, params) for prompt, params in batch]
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    started, first = time.perf_counter(), None
+    while engine.has_work:
+        for event in engine.step():
+            tokens[event.request_id].append(event.token_id)
+        first = first or time.perf_counter()
+    seconds = time.perf_counter() - (first if len(batch) == 1 else started)
+    ids = [tokens[r.request_id] for r in requests]
+    return (sum(map(len, ids)) - (len(batch) == 1)) / seconds, ids
+
+
+def llama_rate(url: str, text: str, overrides: dict, max_tokens: int, repeats: int) -> float:
+    """llama-server's decode rate on one chat request (greedy, or as the task's overrides say), the median of runs."""
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": overrides.get("temperature", 0), "seed": overrides.get("seed", 0)}
+    if "grammar" in overrides:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    rates = []
+    for _ in range(repeats + 1):  # the first warms it
+        timings = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()["timings"]
+        rates.append(timings["predicted_per_second"])
+    return statistics.median(rates[1:])

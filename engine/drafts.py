@@ -1,0 +1,192 @@
+"""Draft tokens for speculative decoding, guessed without a second model.
+
+A draft is only a guess: the engine runs it through the model beside the row's last token and keeps the
+longest prefix that the plain sampler would have produced anyway (engine.Engine._verify), so no method here
+can change what a request gets, only how many of its tokens one step emits.
+
+- `NgramIndex` (prompt lookup): where the last n tokens (n = 4 down to 1) occurred before in the request's own
+  prompt and output, the tokens that followed them then.
+- `SuffixCorpus`: the same lookup over the outputs of recently finished requests, bounded in tokens, so that an
+  agent's repeated tool calls and boilerplate are drafted from earlier replies.
+- Grammar-forced tokens come from the request's grammar (llguidance's forced tokens) in the engine itself.
+- `DraftBudget`: how many drafts a request proposes, from its recent acceptance: free text, where guesses keep
+  failing, falls back to plain decoding steps.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+SPECULATIVE_MODES = ("off", "ngram", "suffix", "auto")
+NGRAM_SIZES = (4, 3, 2, 1)  # longest match first: a longer context predicts its continuation better
+MAX_PAUSE = 32  # steps a request drafts nothing after its drafts failed repeatedly, at most
+
+
+@dataclass
+class NgramIndex:
+    """For every n-gram (n in NGRAM_SIZES) of a token list, where it last ended, kept as the list grows.
+
+    `propose` looks up the n-gram that ends at the newest token among those that ended earlier: each position
+    is indexed once the next token exists, so the newest n-gram never matches itself, and a match's
+    continuation always has at least one token.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index of its last token, latest
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._index(len(self.tokens) - 1)  # the previous newest token now has a successor
+            self.tokens.append(token)
+
+    def _index(self, end: int) -> None:
+        for n in NGRAM_SIZES:
+            if end - n + 1 >= 0:
+                self.ends[tuple(self.tokens[end - n + 1: end + 1])] = end
+
+    def match(self) -> tuple[int, int] | None:
+        """(n, end of the earlier occurrence) of the longest n-gram ending at the newest token seen before."""
+        for n in NGRAM_SIZES:
+            if len(self.tokens) > n:
+                end = self.ends.get(tuple(self.tokens[-n:]))
+                if end is not None:
+                    return n, end
+        return None
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the newest n-gram's latest earlier occurrence ([] if it has none)."""
+        found = self.match()
+        if found is None or k <= 0:
+            return []
+        _, end = found
+        return self.tokens[end + 1: end + 1 + k]
+
+
+class SuffixCorpus:
+    """The token lists of recently finished requests (prompt and output), indexed as NgramIndex is, at most
+    `max_tokens` tokens in all: the oldest lists are dropped first (and their n-grams with them)."""
+
+    def __init__(self, max_tokens: int):
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._lists: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, oldest first
+        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (list id, index of its last token)
+        self._ids = 0
+        self.tokens = 0  # held in all
+
+    def add(self, tokens: list[int]) -> None:
+        tokens = tokens[-self.max_tokens:] if self.max_tokens else []
+        if len(tokens) < 2:
+            return
+        while self._lists and self.tokens + len(tokens) > self.max_tokens:
+            self._drop_oldest()
+        self._ids += 1
+        self._lists[self._ids] = tokens
+        self.tokens += len(tokens)
+        for end in range(len(tokens) - 1):  # the last token has no successor to propose
+            for n in NGRAM_SIZES:
+                if end - n + 1 >= 0:
+                    self._ends[tuple(tokens[end - n + 1: end + 1])] = (self._ids, end)
+
+    def _drop_oldest(self) -> None:
+        list_id, tokens = self._lists.popitem(last=False)
+        self.tokens -= len(tokens)
+        for end in range(len(tokens) - 1):
+            for n in NGRAM_SIZES:
+                key = tuple(tokens[max(0, end - n + 1): end + 1])
+                if len(key) == n and self._ends.get(key, (None,))[0] == list_id:
+                    del self._ends[key]  # a later list's occurrence of the same n-gram stays
+
+    def propose(self, context: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, up to k tokens) that followed the longest n-gram ending `context` in a held list; (0, []) if none."""
+        for n in NGRAM_SIZES:
+            if len(context) >= n:
+                found = self._ends.get(tuple(context[-n:]))
+                if found is not None:
+                    list_id, end = found
+                    return n, self._lists[list_id][end + 1: end + 1 + k]
+        return 0, []
+
+
+@dataclass
+class StepCosts:
+    """A decode step's seconds as a line in the rows it runs, seconds = fixed + per_row * rows, fit by least squares
+    to the steps seen, older ones weighing less (each step multiplies the weights by `decay`).
+
+    On a CPU a row more costs little where a step is bound by reading the weights (a 1B model) and a third of a
+    step where it is bound by compute (a 135M one on 2 cores): the fit tells which this engine is, on this machine.
+    """
+
+    decay: float = 0.98
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, rows, seconds, rows^2, rows * seconds
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.sums = [s * self.decay + term for s, term in zip(self.sums, (1, rows, seconds, rows * rows, rows * seconds))]
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_row) seconds, or None until steps of different row counts were seen."""
+        w, x, y, xx, xy = self.sums
+        spread = w * xx - x * x
+        if w == 0 or spread <= 1e-9 * max(1.0, w * xx):
+            return None
+        per_row = (w * xy - x * y) / spread
+        return (y - per_row * x) / w, per_row
+
+    def threshold(self, batch: int) -> float:
+        """The chance of acceptance a draft row must have to pay for itself in a step of `batch` requests: the
+        tokens it adds per second it costs (p / per_row) at least the step's own rate (batch / seconds). 0 (any
+        draft) until the costs are known, so that a first verification measures them."""
+        line = self.line()
+        if line is None:
+            return 0.0
+        fixed, per_row = line
+        if per_row <= 0:
+            return 0.0
+        return min(1.0, per_row * batch / max(fixed + per_row * batch, per_row * batch))
+
+
+@dataclass
+class DraftBudget:
+    """How many drafts one request proposes in a step, from how often its drafts were right and what a draft costs.
+
+    Its chance that a draft is right is counted per verified position (a kept draft, or the first rejected one;
+    older outcomes weigh less); the j-th draft of a step is kept with that chance to the power j, so a step
+    proposes drafts while that is above StepCosts.threshold. Where no draft pays (free text, a large batch), one
+    is still proposed now and then (after 1, 2, 4 ... steps, up to MAX_PAUSE), so that a request whose text turns
+    predictable (a quote, a repeated call) is drafted again.
+    """
+
+    limit: int
+    decay: float = 0.9
+    right: float = 1.0  # a prior of one right and one wrong draft: a chance of 1/2 before any is verified
+    wrong: float = 1.0
+    wait: int = 0  # steps until the next probe, while no draft pays
+    every: int = 1  # steps between probes
+
+    @property
+    def chance(self) -> float:
+        return self.right / (self.right + self.wrong)
+
+    def allowed(self, threshold: float) -> int:
+        """Drafts this step may propose (0: none); counts a step without."""
+        k = 0
+        while k < self.limit and self.chance ** (k + 1) > threshold:
+            k += 1
+        if k:
+            return k
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        self.wait = self.every
+        self.every = min(MAX_PAUSE, self.every * 2)
+        return 1
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        self.right = self.right * self.decay + accepted
+        self.wrong = self.wrong * self.decay + (accepted < proposed)
+        if accepted:
+            self.every = 1

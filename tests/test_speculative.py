@@ -1,0 +1,249 @@
+"""Speculative decoding never changes what a request gets (tiny random models, transformers as the greedy oracle,
+the real server over a socket), and its parts do what they say (pure tests of the drafters and the policy)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.drafts import MAX_PAUSE, DraftBudget, NgramIndex, StepCosts, SuffixCorpus
+from engine.grammar import json_schema_grammar
+from tests.server_harness import serve
+from weights.loading import load_engine
+
+REPEATING = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]  # a prompt whose n-grams recur
+PROMPTS = [REPEATING, [3, 4, 3, 4, 3, 4, 3], [11, 12, 13, 14, 15, 16], [40, 41, 42, 40, 41]]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "tags": {"type": "array", "items": {"enum": ["red", "green"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "tags"], "additionalProperties": False}
+
+
+def engine_for(model_dir, speculative: str = "off", **settings):
+    settings = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=512, seed=0) | settings
+    return load_engine(model_dir("long"), EngineConfig(speculative=speculative, **settings))
+
+
+def drafting_always(engine):
+    """Every draft is worth verifying: the policy's cost fit, which times this machine, is fixed at zero cost, so
+    that the tests see drafts on every step where a drafter has one, whatever the machine's timings."""
+    engine.step_costs.threshold = lambda batch: 0.0
+    return engine
+
+
+def run(engine, prompts, params):
+    """Every request to its end through Engine.step; (output ids by request, drafts reported by request, steps)."""
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    tokens = {r.request_id: [] for r in requests}
+    logprobs = {r.request_id: [] for r in requests}
+    drafts = {r.request_id: [] for r in requests}
+    steps = 0
+    while engine.has_work:
+        steps += 1
+        for event in engine.step():
+            tokens[event.request_id].append(event.token_id)
+            logprobs[event.request_id].append((event.logprob, event.top_logprobs))
+            if event.draft is not None:
+                drafts[event.request_id].append(event.draft)
+    ids = [r.request_id for r in requests]
+    return [tokens[i] for i in ids], [logprobs[i] for i in ids], [drafts[i] for i in ids], steps
+
+
+# ---- the parts ----------------------------------------------------------------------------------------------
+
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match():
+    index = NgramIndex()
+    index.extend([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
+    assert index.match() == (3, 6)  # "1 2 3" last ended at index 6 (before the newest), then came 4 5
+    assert index.propose(3) == [4, 5, 1]
+    assert NgramIndex(tokens=[], ends={}).propose(4) == []
+    fresh = NgramIndex()
+    fresh.extend([7, 8])
+    assert fresh.propose(4) == []  # "8" never occurred before: nothing to propose
+    fresh.extend([7])
+    assert fresh.propose(4) == [8, 7]  # "7" occurred at 0: what followed it, up to the newest token
+
+
+def test_suffix_corpus_drafts_from_finished_lists_within_its_bound():
+    corpus = SuffixCorpus(max_tokens=10)
+    corpus.add([1, 2, 3, 4, 5, 6])
+    assert corpus.propose([9, 2, 3], 3) == (2, [4, 5, 6])
+    corpus.add([20, 21, 22, 23, 24, 25])  # 12 tokens > 10: the first list goes, and its n-grams with it
+    assert corpus.tokens == 6 and corpus.propose([2, 3], 3) == (0, [])
+    assert corpus.propose([21, 22], 2) == (2, [23, 24])
+    corpus.add([30, 21, 22, 99])  # the same n-gram in a newer list wins; dropping the older keeps the newer's
+    assert corpus.propose([21, 22], 1) == (2, [99])
+    corpus.add(list(range(100, 130)))  # longer than the bound: only its last 10 tokens are kept
+    assert corpus.tokens == 10 and corpus.propose([125], 2) == (1, [126, 127])
+    assert corpus.propose([21, 22], 1) == (0, [])
+
+
+def test_step_costs_fit_the_line_and_price_a_draft_row():
+    costs = StepCosts()
+    assert costs.line() is None and costs.threshold(1) == 0.0  # unknown: draft, to measure
+    for rows, seconds in [(1, 0.010), (5, 0.026), (1, 0.010), (3, 0.018)]:
+        costs.observe(rows, seconds)
+    fixed, per_row = costs.line()
+    assert fixed == pytest.approx(0.006) and per_row == pytest.approx(0.004)
+    assert costs.threshold(1) == pytest.approx(0.4)  # 4 ms buys a token at 1 per 10 ms if kept 40% of the time
+    assert costs.threshold(16) == pytest.approx(0.064 / 0.070)  # a large batch: drafts must nearly always hold
+
+
+def test_draft_budget_drafts_what_pays_and_probes_where_nothing_does():
+    budget = DraftBudget(limit=4)
+    assert budget.chance == 0.5 and budget.allowed(threshold=0.3) == 1  # 0.5 > 0.3 > 0.25
+    for _ in range(6):
+        budget.update(proposed=4, accepted=4)
+    assert budget.allowed(threshold=0.3) == 4
+    for _ in range(20):
+        budget.update(proposed=4, accepted=0)
+    assert budget.chance < 0.3
+    # Nothing pays: a single probe, then 1, 2, 4 ... steps without, up to MAX_PAUSE.
+    pattern = [budget.allowed(threshold=0.3) for _ in range(1 + 1 + 1 + 2 + 1 + 4 + 1)]
+    assert pattern == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1]
+    budget.every = MAX_PAUSE * 4
+    budget.update(proposed=1, accepted=1)  # a probe that was right: probes come at once again
+    assert budget.every == 1
+
+
+# ---- the engine: the output is the output without speculation ------------------------------------------------
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "suffix", "auto"])
+def test_greedy_output_is_transformers_greedy_output(model_dir, hf_model, speculative):
+    engine = drafting_always(engine_for(model_dir, speculative))
+    params = [SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    if speculative == "suffix":  # the corpus drafts from finished requests: the same prompts once before
+        run(engine, PROMPTS, params)
+    got, _, drafts, _ = run(engine, PROMPTS, params)
+    model = hf_model(model_dir("long"))
+    for prompt, tokens in zip(PROMPTS, got):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False, min_new_tokens=48)
+        assert tokens == want[0, len(prompt):].tolist()
+    kept = sum(d.accepted for ds in drafts for d in ds)
+    assert kept > 0 and {d.method for ds in drafts for d in ds} == {"suffix" if speculative == "suffix" else "ngram"}
+
+
+def test_sampled_penalized_and_stopped_outputs_and_logprobs_are_unchanged_in_a_mixed_batch(model_dir):
+    params = [SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, top_logprobs=3),
+              SamplingParams(max_new_tokens=40, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3,
+                             presence_penalty=0.5, frequency_penalty=0.3, seed=5),
+              SamplingParams(max_new_tokens=40, temperature=0, stop=("ab",), top_logprobs=2),
+              SamplingParams(max_new_tokens=7, temperature=0.7, min_p=0.05, seed=11)]
+    plain, plain_logprobs, _, _ = run(engine_for(model_dir), PROMPTS, params)
+    engine = drafting_always(engine_for(model_dir, "ngram"))
+    fast, fast_logprobs, drafts, _ = run(engine, PROMPTS, params)
+    assert fast == plain
+    for want, got in zip(plain_logprobs, fast_logprobs):  # the model's own, for every emitted token
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-4)
+        assert [[t for t, _ in top] for _, top in got] == [[t for t, _ in top] for _, top in want]
+    assert sum(d.accepted for ds in drafts for d in ds) > 0
+
+
+def test_drafts_that_are_always_wrong_or_always_right_change_nothing(model_dir, monkeypatch):
+    params = [SamplingParams(max_new_tokens=30, temperature=0.9, seed=i) for i in range(len(PROMPTS))]
+    plain, _, _, plain_steps = run(engine_for(model_dir), PROMPTS, params)
+    wrong = engine_for(model_dir, "ngram")
+    vocab = wrong.model.config.vocab_size
+    # A test hook in place of the drafters: each step guesses tokens the sampler never picks here.
+    monkeypatch.setattr(wrong, "_draft", lambda request, threshold: ("ngram", [(request.output_ids[-1] * 7 + j) % vocab
+                                                                              for j in range(1, 4)]))
+    got, _, drafts, _ = run(wrong, PROMPTS, params)
+    assert got == plain and sum(d.proposed for ds in drafts for d in ds) > 0
+    right = engine_for(model_dir, "ngram")
+    answers = {tuple(p): a for p, a in zip(PROMPTS, plain)}
+    monkeypatch.setattr(right, "_draft", lambda request, threshold: (
+        "ngram", answers[tuple(request.prompt_ids)][len(request.output_ids): len(request.output_ids) + 4] or None))
+    got, _, drafts, steps = run(right, PROMPTS, params)
+    assert got == plain and steps <= plain_steps // 4
+    assert all(d.accepted == d.proposed for ds in drafts for d in ds)
+
+
+def test_a_schema_gets_its_forced_tokens_drafted_and_the_same_object(model_dir):
+    grammar = json_schema_grammar(SCHEMA)
+    params = [SamplingParams(max_new_tokens=120, temperature=1.0, seed=seed, grammar=grammar) for seed in range(3)]
+    plain, _, _, _ = run(engine_for(model_dir), ["Describe:"] * 3, params)
+    got, _, drafts, _ = run(engine_for(model_dir, "ngram"), ["Describe:"] * 3, params)
+    assert got == plain
+    forced = [d for ds in drafts for d in ds if d.method == "grammar"]
+    assert forced and sum(d.accepted for d in forced) == sum(d.proposed for d in forced)  # forced: always kept
+
+
+def test_verified_rows_have_the_logits_of_tokens_decoded_one_by_one(model_dir):
+    engine = engine_for(model_dir, "ngram")
+    prompt, follow = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14]
+    with torch.inference_mode():
+        slot = engine.scheduler.borrow()
+        list(engine._forward_prompt(prompt[:-1], slot))
+        at = len(prompt) - 1
+        rows = engine.executor.forward([prompt[-1], *follow], [slot] * 5, [at + j for j in range(5)])
+        one_by_one = torch.cat([engine.executor.forward([t], [slot], [at + j])
+                                for j, t in enumerate([prompt[-1], *follow])])
+        # Within float32's rounding: torch's dense float32 products (this model's) sum in another order for one row
+        # than for five; kvserve's kernels (a quantized model's) give the same bits.
+        assert torch.allclose(rows, one_by_one, atol=1e-5)
+        prefill = engine.prompt_logits(prompt + follow)[len(prompt) - 1:]
+        assert torch.allclose(rows, prefill, atol=1e-4)
+
+
+def test_sliding_window_rings_turn_speculation_off_and_full_windows_keep_it(model_dir):
+    ring = load_engine(model_dir("gemma3"), EngineConfig(device="cpu", dtype="float32", max_seq_len=64,
+                                                         speculative="ngram"))
+    assert ring.speculation["method"] == "off" and ring.speculation["requested"] == "ngram"
+    full = load_engine(model_dir("gemma3"), EngineConfig(device="cpu", dtype="float32", max_seq_len=64,
+                                                         speculative="ngram", full_windows=True))
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    plain = load_engine(model_dir("gemma3"), EngineConfig(device="cpu", dtype="float32", max_seq_len=64,
+                                                          full_windows=True))
+    assert full.speculation["method"] == "ngram"
+    assert run(drafting_always(full), [REPEATING], [params])[0] == run(plain, [REPEATING], [params])[0]
+
+
+def test_engine_config_checks_the_speculative_settings():
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
+
+
+# ---- the server ---------------------------------------------------------------------------------------------
+
+
+def test_the_server_reports_drafts_and_answers_as_without_them(model_dir):
+    prompt = "a b c a b c a b c a b"
+    tgi = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True, "do_sample": False}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 120, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+    answers = {}
+    for speculative in ("off", "auto"):
+        with serve(model_dir("long"), speculative=speculative) as running, httpx.Client(base_url=running.url,
+                                                                                          timeout=60) as client:
+            if speculative != "off":
+                drafting_always(running.runner.engine)
+            generated = client.post("/generate", json=tgi).json()
+            chatted = client.post("/v1/chat/completions", json=chat).json()
+            answers[speculative] = generated["generated_text"], chatted["choices"][0]["message"]["content"]
+            info = client.get("/info").json()["speculative_decoding"]
+            metrics = client.get("/metrics").text
+            details, usage = generated["details"], chatted["usage"]["completion_tokens_details"]
+    assert answers["auto"] == answers["off"]
+    jsonschema.validate(json.loads(answers["auto"][1]), SCHEMA)
+    assert info["method"] == "auto" and info["num_speculative_tokens"] == 4 and info["accepted_tokens"] > 0
+    assert details["draft_tokens"] >= details["accepted_draft_tokens"] > 0
+    assert usage["accepted_prediction_tokens"] > 0 and usage["rejected_prediction_tokens"] >= 0
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}_total{{[^}}]*}} (\S+)$", metrics, re.M))
+
+    kept = total("kvserve_spec_decode_accepted_tokens")
+    assert kept == details["accepted_draft_tokens"] + usage["accepted_prediction_tokens"]
+    assert total("kvserve_spec_decode_draft_tokens") >= kept
+    assert total("kvserve_spec_decode_accepted_tokens_per_position") == kept
+    assert 'kvserve_spec_decode_accepted_tokens_total{method="grammar"}' in metrics
