@@ -193,6 +193,17 @@ def test_verified_rows_have_the_logits_of_tokens_decoded_one_by_one(model_dir):
         assert torch.allclose(rows, prefill, atol=1e-4)
 
 
+def test_verification_through_the_padded_steps_cuda_captures(model_dir):
+    """On CUDA a step is a captured graph padded to a batch size; the CPU runs the same padded steps eagerly."""
+    params = [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)] * 3
+    plain, _, _, _ = run(engine_for(model_dir), PROMPTS[:3], params)
+    padded = drafting_always(engine_for(model_dir, "ngram"))
+    padded.executor.capture(graphs=False)
+    assert padded.executor.captured.batch_sizes[-1] == 4 * 5  # every slot verifying 4 drafts: 20 rows
+    got, _, drafts, _ = run(padded, PROMPTS[:3], params)
+    assert got == plain and sum(d.accepted for ds in drafts for d in ds) > 0
+
+
 def test_sliding_window_rings_turn_speculation_off_and_full_windows_keep_it(model_dir):
     ring = load_engine(model_dir("gemma3"), EngineConfig(device="cpu", dtype="float32", max_seq_len=64,
                                                          speculative="ngram"))
