@@ -73,7 +73,7 @@ def k_quant_file(tmp_path, kind: str = "Q4_K", rows: int = 37, columns: int = 51
 
 
 @pytest.mark.parametrize("kind", K_QUANTS)
-@pytest.mark.parametrize("rows", [1, 4, 16, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 70])
 def test_k_quants_are_read_as_stored_and_multiplied_on_our_kernels(tmp_path, kind, rows):
     tensor, stored = k_quant_file(tmp_path, kind)
     _, _, layout, layer_class = K_QUANTS[kind]
@@ -169,7 +169,7 @@ FORMS = {"dot": ProductForms(), "integer": ProductForms(integer_tiles_from=1), "
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("bits", [4, 5, 8])
-@pytest.mark.parametrize("rows", [1, 4, 7, 40])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 40])
 def test_our_kernels_are_the_product_in_every_form(form, bits, rows):
     """Each form the kernels take (product_forms.py), forced at every row count: dot products and integer tiles
     with the inputs quantized to 8 bits per group; bfloat16 tiles with the weights and inputs rounded to bfloat16

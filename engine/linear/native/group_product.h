@@ -521,7 +521,11 @@ at::Tensor dot_product(const at::Tensor& rows, const at::Tensor& packed, int64_t
       int64_t r = 0;
       for (; r + kRowsPerPass <= m; r += kRowsPerPass)
         run_tile<Tile, kRowsPerPass>(p, scales, groups, x, r, in, yp + r * padded + t * kTile, padded);
-      for (; r < m; ++r) run_tile<Tile, 1>(p, scales, groups, x, r, in, yp + r * padded + t * kTile, padded);
+      float* rest = yp + r * padded + t * kTile;  // the last 1 to 3 rows in one pass: one read of the tile's codes
+      static_assert(kRowsPerPass == 4, "the rest is 1 to 3 rows");
+      if (m - r == 3) run_tile<Tile, 3>(p, scales, groups, x, r, in, rest, padded);
+      else if (m - r == 2) run_tile<Tile, 2>(p, scales, groups, x, r, in, rest, padded);
+      else if (m - r == 1) run_tile<Tile, 1>(p, scales, groups, x, r, in, rest, padded);
     }
   });
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();

@@ -113,7 +113,8 @@ void superblock_tile(const Format& format, int64_t t, const QuantizedSuperBlocks
 }
 
 // Every input row times every tile of a K-quant weight (Format: superblock_tile's), tiles split over torch's
-// threads, input rows kRowsPerPass at a time, then one. Checks what every K-quant product shares.
+// threads, input rows kRowsPerPass at a time, then the rest in one pass (a pass per row would read the tile's codes
+// again for each). Checks what every K-quant product shares.
 template <typename Format>
 at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t out_features, const Format& format) {
   TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
@@ -130,7 +131,11 @@ at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t ou
       int64_t r = 0;
       for (; r + kRowsPerPass <= m; r += kRowsPerPass)
         superblock_tile<Format, kRowsPerPass>(format, t, x, r, yp + r * padded + t * kTile, padded);
-      for (; r < m; ++r) superblock_tile<Format, 1>(format, t, x, r, yp + r * padded + t * kTile, padded);
+      float* rest = yp + r * padded + t * kTile;
+      static_assert(kRowsPerPass == 4, "the rest is 1 to 3 rows");
+      if (m - r == 3) superblock_tile<Format, 3>(format, t, x, r, rest, padded);
+      else if (m - r == 2) superblock_tile<Format, 2>(format, t, x, r, rest, padded);
+      else if (m - r == 1) superblock_tile<Format, 1>(format, t, x, r, rest, padded);
     }
   });
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
