@@ -59,7 +59,7 @@ class EngineConfig:
     # output) | suffix (recently finished requests' outputs) | auto (both); a grammar's forced tokens are drafted
     # whenever it is not off.
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3  # llama.cpp's default too: with the newest token, 4 rows, one pass of the kernels
     suffix_tokens: int = 16384  # tokens of finished requests the suffix method drafts from, at most
 
     def __post_init__(self) -> None:

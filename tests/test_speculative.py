@@ -160,9 +160,9 @@ def test_drafts_that_are_always_wrong_or_always_right_change_nothing(model_dir, 
     right = engine_for(model_dir, "ngram")
     answers = {tuple(p): a for p, a in zip(PROMPTS, plain)}
     monkeypatch.setattr(right, "_draft", lambda request, threshold: (
-        "ngram", answers[tuple(request.prompt_ids)][len(request.output_ids): len(request.output_ids) + 4] or None))
+        "ngram", answers[tuple(request.prompt_ids)][len(request.output_ids): len(request.output_ids) + 3] or None))
     got, _, drafts, steps = run(right, PROMPTS, params)
-    assert got == plain and steps <= plain_steps // 4
+    assert got == plain and steps <= plain_steps // 3
     assert all(d.accepted == d.proposed for ds in drafts for d in ds)
 
 
@@ -199,7 +199,7 @@ def test_verification_through_the_padded_steps_cuda_captures(model_dir):
     plain, _, _, _ = run(engine_for(model_dir), PROMPTS[:3], params)
     padded = drafting_always(engine_for(model_dir, "ngram"))
     padded.executor.capture(graphs=False)
-    assert padded.executor.captured.batch_sizes[-1] == 4 * 5  # every slot verifying 4 drafts: 20 rows
+    assert padded.executor.captured.batch_sizes[-1] == 4 * 4  # every slot verifying 3 drafts: 16 rows
     got, _, drafts, _ = run(padded, PROMPTS[:3], params)
     assert got == plain and sum(d.accepted for ds in drafts for d in ds) > 0
 
@@ -246,7 +246,7 @@ def test_the_server_reports_drafts_and_answers_as_without_them(model_dir):
             details, usage = generated["details"], chatted["usage"]["completion_tokens_details"]
     assert answers["auto"] == answers["off"]
     jsonschema.validate(json.loads(answers["auto"][1]), SCHEMA)
-    assert info["method"] == "auto" and info["num_speculative_tokens"] == 4 and info["accepted_tokens"] > 0
+    assert info["method"] == "auto" and info["num_speculative_tokens"] == 3 and info["accepted_tokens"] > 0
     assert details["draft_tokens"] >= details["accepted_draft_tokens"] > 0
     assert usage["accepted_prediction_tokens"] > 0 and usage["rejected_prediction_tokens"] >= 0
 
