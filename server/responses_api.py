@@ -66,8 +66,12 @@ class ResponseReply:
     @staticmethod
     def usage(gen: generation.Generation) -> dict:
         prompt, output = len(gen.stream.prompt_ids), len(gen.events)
+        proposed, accepted = gen.draft_tokens
+        # Speculative decoding's drafts beside reasoning_tokens: an extension, as Chat Completions' prediction fields.
         return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": gen.reused_prompt_tokens},
-                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": output,
+                "output_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": proposed - accepted},
                 "total_tokens": prompt + output}
 
     @staticmethod
