@@ -23,6 +23,11 @@ NGRAM_SIZES = (4, 3, 2, 1)  # longest match first: a longer context predicts its
 MAX_PAUSE = 32  # steps a request drafts nothing after its drafts failed repeatedly, at most
 
 
+def ngrams_ending(tokens: list[int], end: int) -> list[tuple[int, ...]]:
+    """The n-grams (n in NGRAM_SIZES, those that fit) whose last token is tokens[end]."""
+    return [tuple(tokens[end - n + 1: end + 1]) for n in NGRAM_SIZES if end - n + 1 >= 0]
+
+
 @dataclass
 class NgramIndex:
     """For every n-gram (n in NGRAM_SIZES) of a token list, where it last ended, kept as the list grows.
@@ -37,13 +42,9 @@ class NgramIndex:
 
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
-            self._index(len(self.tokens) - 1)  # the previous newest token now has a successor
+            end = len(self.tokens) - 1  # the previous newest token now has a successor
+            self.ends.update((key, end) for key in ngrams_ending(self.tokens, end))
             self.tokens.append(token)
-
-    def _index(self, end: int) -> None:
-        for n in NGRAM_SIZES:
-            if end - n + 1 >= 0:
-                self.ends[tuple(self.tokens[end - n + 1: end + 1])] = end
 
     def match(self) -> tuple[int, int] | None:
         """(n, end of the earlier occurrence) of the longest n-gram ending at the newest token seen before."""
@@ -86,17 +87,14 @@ class SuffixCorpus:
         self._lists[self._ids] = tokens
         self.tokens += len(tokens)
         for end in range(len(tokens) - 1):  # the last token has no successor to propose
-            for n in NGRAM_SIZES:
-                if end - n + 1 >= 0:
-                    self._ends[tuple(tokens[end - n + 1: end + 1])] = (self._ids, end)
+            self._ends.update((key, (self._ids, end)) for key in ngrams_ending(tokens, end))
 
     def _drop_oldest(self) -> None:
         list_id, tokens = self._lists.popitem(last=False)
         self.tokens -= len(tokens)
         for end in range(len(tokens) - 1):
-            for n in NGRAM_SIZES:
-                key = tuple(tokens[max(0, end - n + 1): end + 1])
-                if len(key) == n and self._ends.get(key, (None,))[0] == list_id:
+            for key in ngrams_ending(tokens, end):
+                if self._ends.get(key, (None,))[0] == list_id:
                     del self._ends[key]  # a later list's occurrence of the same n-gram stays
 
     def propose(self, context: list[int], k: int) -> tuple[int, list[int]]:

@@ -6,8 +6,8 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -25,6 +25,9 @@ from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler, SlotState
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified per request and step, at most
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
@@ -169,6 +172,11 @@ class Engine:
     def quantized(self) -> bool:
         """Whether any product runs on quantized weights."""
         return any(isinstance(m, WeightOnlyLinear) for m in self.model.modules())
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's end-of-sequence ids (none without a tokenizer)."""
+        return self.tokenizer.eos_token_ids if self.tokenizer else ()
 
     @property
     def max_seq_len(self) -> int:
@@ -512,19 +520,31 @@ class Engine:
                                                                        for r in group]), requests)
         rows = len(requests) + sum(len(tokens) for _, tokens in drafts.values())
         self.step_costs.observe(rows, time.perf_counter() - started)
+        return self._report_drafts(events, {r.request_id: r for r in requests}, drafts)
+
+    def _report_drafts(self, events: list[TokenEvent | RequestFailed], requests: dict[str, Request],
+                       drafts: dict[str, tuple[str, list[int]]]) -> list[TokenEvent | RequestFailed]:
+        """Each drafted request's first event of the step gains its Draft (proposed, and kept: the leading tokens
+        it emitted that were its drafts); its budget learns from it."""
+        emitted: dict[str, list[int]] = {}
+        for event in events:
+            if isinstance(event, TokenEvent):
+                emitted.setdefault(event.request_id, []).append(event.token_id)
         reported = set()
         for i, event in enumerate(events):
-            if event.request_id in drafts and event.request_id not in reported and isinstance(event, TokenEvent):
-                reported.add(event.request_id)
-                method, proposed = drafts[event.request_id]
-                emitted = [e.token_id for e in events[i:] if e.request_id == event.request_id]
-                accepted = next((j for j, (a, b) in enumerate(zip(emitted, proposed)) if a != b),
-                                min(len(emitted), len(proposed)))
-                request = self.requests.get(event.request_id)
-                if request is not None and request.budget is not None and method != "grammar":
-                    request.budget.update(len(proposed), accepted)
-                events[i] = replace(event, draft=Draft(method, len(proposed), accepted))
-                self.draft_totals = (self.draft_totals[0] + len(proposed), self.draft_totals[1] + accepted)
+            request_id = event.request_id
+            if request_id not in drafts or request_id in reported or not isinstance(event, TokenEvent):
+                continue
+            reported.add(request_id)
+            method, proposed = drafts[request_id]
+            tokens = emitted[request_id]
+            accepted = next((j for j, (a, b) in enumerate(zip(tokens, proposed)) if a != b),
+                            min(len(tokens), len(proposed)))
+            budget = requests[request_id].budget  # forced tokens say nothing of how guessable the text is
+            if method != "grammar" and budget is not None:
+                budget.update(len(proposed), accepted)
+            events[i] = replace(event, draft=Draft(method, len(proposed), accepted))
+            self.draft_totals = (self.draft_totals[0] + len(proposed), self.draft_totals[1] + accepted)
         return events
 
     def _decode(self, requests: list[Request]) -> list[list[Choice]]:
@@ -551,10 +571,10 @@ class Engine:
             request.ngrams = NgramIndex()
             request.ngrams.extend(request.prompt_ids)
         k = min(room, request.budget.allowed(threshold))
+        if k == 0:  # the index catches up at the next lookup
+            return None
         index = request.ngrams
         index.extend(request.output_ids[len(index.tokens) - len(request.prompt_ids):])
-        if k == 0:
-            return None
         own = index.match() if self.speculative in ("ngram", "auto") else None
         shared = self.corpus.propose(index.tokens, k) if self.corpus is not None else (0, [])
         if own is not None and own[0] >= shared[0]:
@@ -580,7 +600,7 @@ class Engine:
                                        [r.slot for r, n in zip(requests, lengths) for _ in range(n)],
                                        [r.cached_tokens + j for r, n in zip(requests, lengths) for j in range(n)])
         starts = list(itertools.accumulate([0] + lengths[:-1]))  # logits (sum of lengths, V): request by request
-        trials = [Trial(r, self.tokenizer.eos_token_ids if self.tokenizer else ()) for r in requests]
+        trials = [Trial.of(r, self.eos_token_ids) for r in requests]
         chosen: list[list[Choice]] = [[] for _ in requests]
         live = list(range(len(requests)))
         try:
@@ -627,7 +647,7 @@ class Engine:
 
     def _finish_reason(self, request: Request, token: int, piece: str) -> tuple[FinishReason | None, str | None]:
         params = request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and self.tokenizer and token in self.tokenizer.eos_token_ids):
+        if params.ends_at(token, self.eos_token_ids):
             return FinishReason.EOS, None
         if request.grammar is not None and request.grammar.is_stopped():  # complete: nothing may follow but EOS
             return FinishReason.EOS, None
@@ -649,38 +669,26 @@ class Engine:
 
 @dataclass
 class Trial:
-    """A request as the sampler sees it while drafts are verified: its output so far plus the drafts kept, its
-    grammar advanced over them (and rolled back by undo)."""
+    """A request as the sampler sees it while drafts are verified (a SamplingState): its output so far plus the
+    drafts kept, its grammar advanced over them (and rolled back by undo)."""
 
-    request: Request
+    params: SamplingParams
+    seed: int
+    prompt_ids: list[int]
+    output_ids: list[int]  # a copy: the request's own grows only as events are appended
+    grammar: LLMatcher | None
     eos_token_ids: tuple[int, ...]
-    output_ids: list[int] = field(init=False)
     consumed: int = 0  # tokens its grammar took here
 
-    def __post_init__(self) -> None:
-        self.output_ids = list(self.request.output_ids)
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def seed(self) -> int:
-        return self.request.seed
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.request.prompt_ids
-
-    @property
-    def grammar(self):
-        return self.request.grammar
+    @classmethod
+    def of(cls, request: Request, eos_token_ids: tuple[int, ...]) -> "Trial":
+        return cls(request.params, request.seed, request.prompt_ids, list(request.output_ids), request.grammar,
+                   eos_token_ids)
 
     def take(self, token: int) -> bool:
         """Keep a verified draft; whether verification may go on after it (not past an end of the request)."""
         self.output_ids.append(token)
-        params = self.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if self.params.ends_at(token, self.eos_token_ids):
             return False
         if self.grammar is None:
             return True

@@ -113,6 +113,10 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    def ends_at(self, token: int, eos_token_ids: tuple[int, ...]) -> bool:
+        """Whether `token` ends the request: one of its stop token ids, or an end-of-sequence id it does not ignore."""
+        return token in self.stop_token_ids or (not self.ignore_eos and token in eos_token_ids)
+
     @property
     def has_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0

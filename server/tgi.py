@@ -36,12 +36,12 @@ def prefill(gen: generation.Generation, tokenizer: Tokenizer) -> list[dict]:
 
 
 def details(gen: generation.Generation, input_length: int, with_tokens: bool, tokenizer: Tokenizer) -> dict:
-    last = gen.events[-1]
+    last, (proposed, accepted) = gen.events[-1], gen.draft_tokens
     body = {"finish_reason": TGI_FINISH[last.finish_reason], "generated_tokens": len(gen.events),
             "seed": None if gen.stream.params.greedy else gen.stream.seed, "input_length": input_length,
             "cached_input_tokens": gen.reused_prompt_tokens,
             # Speculative decoding: draft tokens verified for this request, and those kept (output unchanged).
-            "draft_tokens": gen.draft_tokens[0], "accepted_draft_tokens": gen.draft_tokens[1]}
+            "draft_tokens": proposed, "accepted_draft_tokens": accepted}
     if with_tokens:
         body |= {"prefill": prefill(gen, tokenizer), "tokens": [token(e) for e in gen.events]}
         if gen.stream.params.top_logprobs:
