@@ -110,8 +110,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         model_config = model.config
-        weight = model.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device, self.dtype = model.device, model.dtype
         max_seq_len = config.max_seq_len or min(model_config.max_position_embeddings, 2048)
         if max_seq_len > model_config.max_position_embeddings:
             raise ValueError(

@@ -1,7 +1,8 @@
-"""The KV cache: one allocation, made once, never grown."""
+"""The KV cache: one allocation, made once, never grown (on the CPU, resident as its positions are first written)."""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,17 @@ class LayerCache:
     keys: torch.Tensor
     values: torch.Tensor
     ring: bool
+
+
+def zeroed(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`numel` zeros. On the CPU, in an anonymous mapping of their own, whose pages the system supplies as they are
+    first written: a slot's positions cost resident memory once used, not for the whole capacity up front (as
+    llama.cpp's cache). The mapping lives as long as the tensor (torch.frombuffer holds it)."""
+    if device.type != "cpu":
+        return torch.zeros(numel, device=device, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(1, numel * itemsize), flags=mmap.MAP_PRIVATE)  # anonymous: every page zero until written
+    return torch.frombuffer(pages, dtype=dtype, count=numel)
 
 
 def layer_capacities(config: ModelConfig, max_seq_len: int, full_windows: bool = False) -> tuple[int, ...]:
@@ -52,7 +64,7 @@ class KVCache:
         members = {c: [i for i, ci in enumerate(self.capacities) if ci == c]
                    for c in sorted(set(self.capacities), reverse=True)}  # T's group first
         sizes = [2 * len(layers) * slots * config.num_kv_heads * c * config.head_dim for c, layers in members.items()]
-        self.storage = torch.zeros(sum(sizes), device=device, dtype=dtype)
+        self.storage = zeroed(sum(sizes), dtype, device)
         self.groups: tuple[torch.Tensor, ...] = tuple(
             part.view(2, len(layers), *shape, c, config.head_dim)  # (2, L_g, B, h_kv, C_g, d_h)
             for part, (c, layers) in zip(self.storage.split(sizes), members.items()))

@@ -161,16 +161,17 @@ class AllReduced(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """The rank's rows of the embedding; tokens outside them read zeros, and one all-reduce fills them in."""
 
-    def __init__(self, weight: nn.Parameter, first: int, group: dist.ProcessGroup | None):
+    def __init__(self, inner: nn.Module, first: int, group: dist.ProcessGroup | None):
         super().__init__()
-        self.weight = weight  # (ceil(V/N), hidden)
+        self.inner = inner  # the rank's ceil(V/N) rows: dense, or read from the head's codes
         self.first = first
         self.group = group
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.first
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None]  # (..., hidden)
+        rows = self.inner.num_embeddings
+        mine = (local >= 0) & (local < rows)
+        out = self.inner(local.clamp(0, rows - 1)) * mine[..., None]  # (..., hidden)
         collective(dist.all_reduce, out, group=self.group)
         return out
 
@@ -201,11 +202,8 @@ def parallelize(model: nn.Module, config: ModelConfig, shard: Shard, group: dist
         block.self_attn.o_proj = AllReduced(block.self_attn.o_proj, group)
         block.mlp.down_proj = AllReduced(block.mlp.down_proj, group)
     first = shard.vocab_rows(config.vocab_size).start
-    tied = getattr(model.lm_head, "weight", None) is model.embed_tokens.weight  # a quantized head has codes of its own
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, first, group)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, first, group)
     model.lm_head = VocabParallelHead(model.lm_head, config.vocab_size, shard.world, group)
-    if tied:
-        model.lm_head.inner.weight = model.embed_tokens.weight
     model.config = dataclasses.replace(model.config, vocab_size=config.vocab_size)
     return model
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -20,6 +21,33 @@ def test_allocation_equals_formula(dtype):
     expected = 2 * 5 * 3 * 40 * 2 * 16 * itemsize  # 2·B·L·T·h_kv·d_h·itemsize
     assert cache.capacity_bytes == expected
     assert cache.storage.untyped_storage().nbytes() == expected
+
+
+def resident_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads resident memory from /proc")
+@torch.inference_mode()
+def test_a_cpu_cache_is_resident_only_where_written():
+    """The whole allocation exists (and reads as zeros) from the start; the system supplies its pages as positions are
+    first written, so 256 MiB of slots cost what their used positions take, as llama.cpp's cache does."""
+    config = tiny_config(num_layers=4, num_heads=8, num_kv_heads=2, head_dim=128)
+    before = resident_bytes()
+    cache = KVCache(config, slots=16, max_seq_len=4096, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert cache.capacity_bytes == 256 << 20 and cache.storage.untyped_storage().nbytes() == 256 << 20
+    assert resident_bytes() - before < 16 << 20
+    layer = cache.layer(3)
+    layer.keys[5, :, :100] = 1.0  # slot 5's first 100 positions of one layer's keys: 2 heads x 25 KiB
+    layer.values[15, :, 4000:] = 2.0
+    assert resident_bytes() - before < 16 << 20
+    assert layer.keys[5, :, :100].eq(1).all() and layer.keys[5, :, 100:].eq(0).all() and layer.keys[4].eq(0).all()
+    assert layer.values[15, :, 4000:].eq(2).all() and cache.layer(0).keys.eq(0).all()
+    cache.storage.fill_(3.0)  # every position written: then all of it is resident
+    assert resident_bytes() - before > 250 << 20
 
 
 def sliding_config(**overrides):

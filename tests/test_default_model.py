@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
+from engine.linear.embedding import ROW_READABLE, CodesEmbedding
 from engine.linear.planner import Machine, codes_layer_class
+from engine.linear.two_forms import TwoForms
 from weights.checkpoint import transformers_files
 from weights.default_model import DEFAULT_MODEL, fetch_file, pull
 from weights.gguf_file import WEIGHTS_NAME
@@ -148,12 +150,17 @@ def test_the_gguf_served_as_stored_still_names_paris(model_path, engine):
     # What `python -m server` serves by default: the GGUF's Q4_1 blocks and Q8_0 LM head as stored.
     quantized = load_engine(model_path, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=512))
     assert quantized.dtype == torch.bfloat16
-    assert quantized.model.lm_head.dense.weight is quantized.model.embed_tokens.weight  # tied: codes and the embedding
+    head, lookup = quantized.model.lm_head, quantized.model.embed_tokens
+    if isinstance(head, TwoForms):  # measured: the embedding is the head's dense form from some row count
+        assert head.dense.weight is lookup.weight
+        head = head.codes
+    elif isinstance(head, ROW_READABLE):  # the file's one Q8_0 table: the embedding reads its rows from the head's codes
+        assert isinstance(lookup, CodesEmbedding) and lookup.codes is head
     blocks = [m for block in quantized.model.layers for m in (
         block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)]
     # Q4_1 blocks and a Q8_0 head, each through kvserve's kernels where they build
     assert all(isinstance(m, codes_layer_class(4, Machine.found(torch.device("cpu")))) for m in blocks)
-    assert isinstance(quantized.model.lm_head.codes, codes_layer_class(8, Machine.found(torch.device("cpu"))))
+    assert isinstance(head, codes_layer_class(8, Machine.found(torch.device("cpu"))))
     assert quantized.weights_bytes < 0.65 * engine.weights_bytes / 2  # well under dense bfloat16
     prompt = quantized.tokenizer.render_chat([{"role": "user", "content": QUESTION}])
     ids = quantized.tokenizer.encode(prompt, add_special_tokens=False)

@@ -17,6 +17,7 @@ from engine import Engine, EngineConfig
 from engine import cache_file
 from engine.executor import batch_buckets
 from engine.linear.codes import GroupCodes
+from engine.linear.embedding import CodesEmbedding
 from engine.linear.dense import CpuLinear, PackedLinear, packs_bfloat16
 from engine.linear import planner as planner_module
 from engine.linear.planner import Machine, Planner, Role, codes_layer_class, served_by_type, summary
@@ -100,11 +101,36 @@ def test_a_quantized_tied_head_switches_to_the_embedding_where_measured(switch):
     timings = Given(head=switch)
     decision = Planner(NO_KERNELS, "auto", timings=timings).plan(q4_0(), None, Role("lm_head", embedding))
     head = decision.layer
-    assert isinstance(head, TwoForms) and head.dense_from == switch and head.dense.weight.data_ptr() == embedding.data_ptr()
     assert timings.asked == ["head GroupLinear 48x64 vs embedding CpuLinear"]
     expected = "codes below 3 rows, the embedding from there" if switch else "codes at every row count"
     assert decision.reason == f"Q4_0 as stored: torch's int4 kernel (kvserve's kernels are off here: no C++ compiler); {expected} (measured)"
+    if switch is None:  # the embedding is then no form of the head
+        assert isinstance(head, GroupLinear) and decision.kind == "GroupLinear"
+        return
+    assert isinstance(head, TwoForms) and head.dense_from == switch and head.dense.weight.data_ptr() == embedding.data_ptr()
     assert decision.kind == "TwoForms(GroupLinear, CpuLinear)"
+
+
+def test_a_tied_embedding_reads_its_rows_from_the_heads_codes_where_they_can():
+    """The table is held once: rows dequantized from the head's tiles (the values the dense table holds), unless
+    the dense table is itself the head or a form of it, or the codes cannot read their rows back."""
+    codes, embedding = q4_0(), torch.randn(48, 64).bfloat16()
+    head = Planner(KERNELS, "auto", timings=Given()).plan(codes, None, Role("lm_head", embedding))
+    lookup = Planner(KERNELS).embedding(embedding, head)
+    assert isinstance(lookup.layer, CodesEmbedding) and lookup.layer.codes is head.layer
+    assert lookup.reason == "rows of the LM head's codes, dequantized at lookup to bfloat16: no dense table beside them"
+    tokens = torch.tensor([[0, 17, 47], [16, 15, 3]])
+    with torch.inference_mode():
+        assert torch.equal(lookup.layer(tokens), codes.dequantize().bfloat16()[tokens])
+    switching = Planner(KERNELS, "auto", timings=Given(head=3)).plan(codes, None, Role("lm_head", embedding))
+    dense = Planner(KERNELS).embedding(embedding, switching)
+    assert isinstance(dense.layer, torch.nn.Embedding) and dense.layer.weight.data_ptr() == embedding.data_ptr()
+    assert dense.reason == "dense bfloat16: also the LM head's dense form, from 3 rows"
+    torchs = Planner(NO_KERNELS, "auto", timings=Given()).plan(codes, None, Role("lm_head", embedding))
+    assert Planner(NO_KERNELS).embedding(embedding, torchs).reason == "dense bfloat16: the head's GroupLinear codes do not read their rows back"
+    plain = Planner(KERNELS).plan(embedding, None, Role("lm_head", embedding))
+    assert Planner(KERNELS).embedding(embedding, plain).reason == "dense bfloat16: also the LM head"
+    assert Planner(KERNELS).embedding(embedding, None).reason == "dense bfloat16: the checkpoint's own table (not tied to the head)"
 
 
 @pytest.mark.parametrize("switch", [2, None])
@@ -163,17 +189,16 @@ def test_timings_are_measured_once_per_machine_and_kept(tmp_path, caplog):
 
 @torch.inference_mode()
 def test_a_quantized_tied_head_reads_the_embedding_for_its_dense_form(model_dir):
-    engine = load_engine(model_dir("tied"), EngineConfig(device="cpu", quantize="int8", max_batch_size=4,
-                                                         max_seq_len=64))
-    head, embedding = engine.model.lm_head, engine.model.embed_tokens.weight
+    model = planned(model_dir, "tied", "int8", Given(head=2))
+    head, embedding = model.lm_head, model.embed_tokens.weight
     assert isinstance(head, TwoForms) and isinstance(head.codes, Int8Linear)
     assert head.dense.weight is embedding  # the dense form costs no memory: it is the embedding itself
     x = torch.randn(3, embedding.shape[1], dtype=embedding.dtype)
-    head.dense_from = 2
     assert torch.equal(head(x[:1]), head.codes(x[:1])) and torch.equal(head(x), head.dense(x))
     # Both forms are the same weight: int8 codes per row vs the bfloat16 embedding.
     torch.testing.assert_close(head.codes(x).float(), head.dense(x).float(), atol=0.05, rtol=0.05)
-    assert [d.name for d in engine.model.plan][-1] == "lm_head" and len(engine.model.plan) == 4 * 2 + 1
+    names = [d.name for d in model.plan]
+    assert names[0] == "embed_tokens" and names[-1] == "lm_head" and len(names) == 1 + 4 * 2 + 1
 
 
 @pytest.mark.skipif(not packs_bfloat16(), reason="oneDNN computes no bfloat16 products on this CPU")
@@ -285,9 +310,10 @@ def test_the_server_takes_dense_copies_counts_their_bytes_and_reports_its_plan(m
                                  if isinstance(m, TwoForms))
             plan = {entry["matrices"]: entry for entry in info["linear_layers"]}
             assert set(plan) == {"layers.*.self_attn.qkv_proj", "layers.*.self_attn.o_proj", "layers.*.mlp.gate_up_proj",
-                                 "layers.*.mlp.down_proj", "lm_head"}
+                                 "layers.*.mlp.down_proj", "lm_head", "embed_tokens"}
             assert plan["lm_head"]["layer"] == "Int8Linear" and "keeps the head in 8 bits" in plan["lm_head"]["reason"]
-            assert all(entry["count"] == 2 for name, entry in plan.items() if name != "lm_head")
+            assert plan["embed_tokens"]["layer"] == "Embedding"  # int8 rows of a float table: the table stays dense
+            assert all(entry["count"] == 2 for name, entry in plan.items() if name not in ("lm_head", "embed_tokens"))
             assert info["weights_served"] == {}  # float weights quantized on request: no GGUF types
     assert copied["off"] == 0 and sizes["on"] - sizes["off"] == copied["on"]
 

@@ -246,6 +246,25 @@ def test_our_kernels_run_inside_a_compiled_graph(kind):
             torch.testing.assert_close(step(x), torch.relu(layer(x)) * 2)
 
 
+@pytest.mark.parametrize("kind", ["4", "4 centred", "5", "5 centred", "8 centred", "Q4_K", "Q5_K", "Q6_K"])
+def test_each_layer_reads_its_rows_back_as_the_dequantized_codes(kind):
+    """What a tied embedding looks up in the head's tiles: every row, bit for bit the codes' float32 weights (the
+    values the dense table holds), in any order, from every position of a tile and from the padded last tile."""
+    if kind in K_QUANTS:
+        codes = {"Q4_K": random_q4_k, "Q5_K": random_q5_k, "Q6_K": random_q6_k}[kind](37, 512)
+        layer = (SubBlock6Linear if kind == "Q6_K" else SuperBlockLinear)(codes, None, torch.float32)
+    else:
+        bits = int(kind.split()[0])
+        generator = torch.Generator().manual_seed(bits)
+        scale = (torch.rand(37, 16, generator=generator) * 0.01 + 0.001).half().float()
+        minimum = -(2 ** (bits - 1)) * scale if "centred" in kind else (torch.randn(37, 16, generator=generator) * 0.01).half().float()
+        codes = GroupCodes(torch.randint(0, 2 ** bits, (37, 512), dtype=torch.uint8, generator=generator), scale, minimum, bits)
+        layer = codes_layer(bits)(codes, None, torch.float32)
+    ids = torch.tensor([0, 5, 15, 16, 17, 36, 3, 3, 31, 32])
+    assert torch.equal(layer.rows(ids), codes.dequantize()[ids])
+    assert torch.equal(layer.rows(torch.arange(37)), codes.dequantize())
+
+
 def test_four_bit_codes_fused_with_eight_bit_ones_keep_their_accuracy():
     """q, k in 4 bits beside v in 8 (as Q4_K_M files mix them) fuse into one 8-bit layer: the 4-bit weights exactly,
     and re-centred so that the 8-bit kernel's error stays that of 8-bit codes (not fifteen times a 4-bit one's)."""

@@ -21,6 +21,7 @@ from engine import Engine, EngineConfig
 from engine.config import ModelConfig
 from engine.sampling import SamplingParams
 from engine.linear.planner import Machine, codes_layer_class
+from engine.linear.embedding import CodesEmbedding
 from engine.linear.quantized import WeightOnlyLinear
 from engine.tensor_parallel import Shard, cpu_group, shard_model
 from weights.loading import load_shard
@@ -256,12 +257,14 @@ def run_quantized_rank(rank: int, world: int, path: str, port: int, out: str) ->
         engine = Engine(model, tokenizer, EngineConfig(**(SETTINGS | {"dtype": "auto"})))
         save_file({"logits": engine.prompt_logits(PROMPTS[1]).contiguous()}, f"{out}/logits.{rank}.safetensors")
         kinds = {type(m).__name__ for m in engine.model.modules() if isinstance(m, WeightOnlyLinear)}
-        Path(f"{out}/rank.{rank}.json").write_text(json.dumps({"kinds": sorted(kinds)}))
+        lookup = type(engine.model.embed_tokens.inner).__name__
+        Path(f"{out}/rank.{rank}.json").write_text(json.dumps({"kinds": sorted(kinds), "embedding": lookup}))
     os._exit(0)  # as run_rank
 
 
 def test_two_ranks_serve_a_quantized_gguf_as_one_does(model_dir, tmp_path):
-    write_gguf(model_dir("gqa"), tmp_path / "q.gguf", override_type=GGMLQuantizationType.Q4_0)
+    """Tied: each rank's embedding rows are its part of the head's codes, looked up there."""
+    write_gguf(model_dir("tied"), tmp_path / "q.gguf", override_type=GGMLQuantizationType.Q4_0)
     imported = import_gguf(tmp_path / "q.gguf", tmp_path / "imported", progress=False)
     mp.spawn(run_quantized_rank, args=(2, str(imported), free_port(), str(tmp_path)), nprocs=2, join=True)
     whole = load_engine(imported, EngineConfig(**(SETTINGS | {"dtype": "auto"})))
@@ -269,8 +272,11 @@ def test_two_ranks_serve_a_quantized_gguf_as_one_does(model_dir, tmp_path):
     expected = whole.prompt_logits(PROMPTS[1]).log_softmax(-1)
     for rank in range(2):
         # every matrix split as codes (o and down by whole groups of inputs), none dequantized
-        assert json.loads((tmp_path / f"rank.{rank}.json").read_text())["kinds"] == [
-            codes_layer_class(4, Machine.found(torch.device("cpu"))).__name__]
+        kinds = json.loads((tmp_path / f"rank.{rank}.json").read_text())
+        codes = codes_layer_class(4, Machine.found(torch.device("cpu")))
+        assert kinds["kinds"] == [codes.__name__]
+        assert kinds["embedding"] == ("CodesEmbedding" if isinstance(whole.model.embed_tokens, CodesEmbedding)
+                                      else "Embedding")
         got = load_file(tmp_path / f"logits.{rank}.safetensors")["logits"].log_softmax(-1)
         # the same codes; bfloat16 partial sums added by the all-reduce round at other points than one product
         kl = torch.nn.functional.kl_div(got, expected, log_target=True, reduction="none").sum(-1)

@@ -19,7 +19,8 @@ from weights.checkpoint import load_checkpoint, stores_quantized
 
 def load_engine(path: str | Path, config: EngineConfig = EngineConfig()) -> Engine:
     """An engine serving the model folder at `path` (a Hugging Face folder, or one with a GGUF) as `config` says."""
-    return Engine(load_model(path, config), Tokenizer.from_dir(path), config)
+    tokenizer = Tokenizer.from_dir(path)  # first: what parsing it freed is handed back with the model's temporaries
+    return Engine(load_model(path, config), tokenizer, config)
 
 
 def load_model(path: str | Path, config: EngineConfig = EngineConfig()) -> Transformer:
@@ -33,8 +34,9 @@ def load_model(path: str | Path, config: EngineConfig = EngineConfig()) -> Trans
 
 def release_freed_memory() -> bool:
     """Hand the heap that loading freed back to the system: unpacking and repacking a GGUF's blocks goes through
-    temporaries about the model's size, which glibc's allocator keeps for reuse (a 1B Q4_K_M model's server held
-    2.4 GB resident instead of 1.4). Whether there was an allocator to ask (glibc's malloc_trim)."""
+    temporaries about the model's size, and parsing a tokenizer through its JSON, which glibc's allocator keeps for
+    reuse (a 1B Q4_K_M model's server held 2.4 GB resident instead of 1.4; Gemma 3's tokenizer of 262,144 tokens
+    and 514,847 merges, 290 MB where 96 remain). Whether there was an allocator to ask (glibc's malloc_trim)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)  # 1 if memory was released, 0 if there was none to release
         return True
@@ -46,11 +48,12 @@ def load_shard(path, device: str, dtype: str, quantize: str, shard: Shard, group
                ) -> tuple[Transformer, Tokenizer]:
     """The rank's part of the checkpoint at `path`, with its tokenizer; weights as `load_engine` serves them."""
     resolved = resolve_device(device)
+    tokenizer = Tokenizer.from_dir(path)  # first, as in load_engine
     config, state, mode = served_checkpoint(path, quantize, dtype, resolved)
     model = shard_model(config, state, shard, resolved, group, Planner.for_machine(resolved, mode))
     del state
     release_freed_memory()
-    return model, Tokenizer.from_dir(path)
+    return model, tokenizer
 
 
 def served_checkpoint(path, quantize: str, dtype: str, device: torch.device) -> tuple:

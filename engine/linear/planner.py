@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engine.linear.codes import QUANTIZED, GroupCodes, QuantizedWeight, StackedCodes, SubBlockCodes, SuperBlockCodes
+from engine.linear.embedding import ROW_READABLE, CodesEmbedding
 from engine.linear.dense import WEIGHT_LEFT_MIN_ELEMENTS, CpuLinear, PackedLinear, packs_bfloat16
 from engine.linear.quantized import (Codes4Linear, Codes5Linear, Codes8Linear, GroupLinear, Int8Linear, StackedLinear,
                                     SubBlock6Linear, SuperBlockLinear, WeightOnlyLinear)
@@ -167,8 +168,8 @@ class Planner:
             if switch is None and isinstance(dense, PackedLinear):  # a copy that never runs would only take memory
                 dense, _ = self._dense_layer(embedding, codes.bias, packable=False)
             name = "packed embedding" if isinstance(dense, PackedLinear) else "embedding"
-            if switch is None:
-                return Decision(role.name, TwoForms(codes, dense, None), f"{how}; codes at every row count (measured)", served)
+            if switch is None:  # the embedding is no form of the head: `embedding` may then read its rows from the codes
+                return Decision(role.name, codes, f"{how}; codes at every row count (measured)", served)
             return Decision(role.name, TwoForms(codes, dense, switch),
                             f"{how}; codes below {switch} rows, the {name} from there (measured)", served)
         if self.dense_copies and not role.head:
@@ -187,6 +188,27 @@ class Planner:
                                 f"{how}; codes below {switch} rows, a dense copy from there (measured)", served)
             how += "; no dense copy: the codes were faster at every row count (measured)"
         return Decision(role.name, codes, how, served)
+
+    def embedding(self, weight: torch.Tensor, head: Decision | None) -> Decision:
+        """The token embedding (vocab, hidden) as the checkpoint holds it dense; `head`: the LM head's decision where
+        the two are tied. Where the head is codes alone that can read their rows back, the lookups read them: the
+        table is then held once, as stored; otherwise the dense table (it is then also the head, or a form of it)."""
+        layer = head.layer if head is not None else None
+        if isinstance(layer, TwoForms) and isinstance(layer.dense, PackedLinear):
+            layer = layer.codes  # its dense form is a packed copy: the table itself serves only the lookups
+        if isinstance(layer, ROW_READABLE):
+            return Decision("embed_tokens", CodesEmbedding(layer, weight.dtype),
+                            f"rows of the LM head's codes, dequantized at lookup to {dtype_name(weight.dtype)}: "
+                            "no dense table beside them")
+        if head is None:
+            why = "the checkpoint's own table (not tied to the head)"
+        elif isinstance(layer, WeightOnlyLinear):
+            why = f"the head's {type(layer).__name__} codes do not read their rows back"
+        elif isinstance(layer, TwoForms):
+            why = f"also the LM head's dense form, from {layer.dense_from} rows"
+        else:
+            why = "also the LM head"
+        return Decision("embed_tokens", dense_embedding(weight), f"dense {dtype_name(weight.dtype)}: {why}")
 
     @property
     def forms(self) -> ProductForms:
@@ -213,6 +235,14 @@ def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     layer.weight = as_parameter(weight)
     if bias is not None:
         layer.bias = as_parameter(bias)
+    return layer
+
+
+def dense_embedding(weight: torch.Tensor) -> nn.Embedding:
+    """An nn.Embedding holding exactly this table (no initialisation)."""
+    with torch.device("meta"):
+        layer = nn.Embedding(*weight.shape)
+    layer.weight = as_parameter(weight)
     return layer
 
 

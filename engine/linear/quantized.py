@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.linear.codes import GROUP_SIZE, GroupCodes, SubBlockCodes, SuperBlockCodes
+from engine.linear.codes import GROUP_SIZE, SUPER_BLOCK, GroupCodes, SubBlockCodes, SuperBlockCodes
 from engine.linear.timing import ProductForms
 
 
@@ -127,6 +127,20 @@ class GroupTiles(WeightOnlyLinear):
                         self.forms.integer_tiles_from, self.forms.bfloat16_tiles_from)
         return y.to(self.activation_dtype)
 
+    @staticmethod
+    def row_codes(packed: torch.Tensor, tile: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """The codes of row `row` of tile `tile` (each (n,)) from `pack`'s bytes: (n, in) uint8."""
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weights of output rows `ids` (n,), as the codes hold them: (n, in) float32 (an embedding's lookup)."""
+        tile, row = ids // self.TILE, ids % self.TILE
+        codes = self.row_codes(self.packed, tile, row).float().view(len(ids), -1, GROUP_SIZE)  # (n, group, 32)
+        scale = self.scale[tile, :, row].float()[..., None]  # (n, group, 1)
+        if self.minimum.numel() == 0:  # centred: s·(q − centre)
+            return ((codes - self.centre) * scale).view(len(ids), self.in_features)
+        return (codes * scale + self.minimum[tile, :, row].float()[..., None]).view(len(ids), self.in_features)
+
 
 class Codes4Linear(GroupTiles):
     """4-bit codes (Q4_0, Q4_1): integer dot products with the inputs quantized to 8 bits per group, the codes
@@ -140,6 +154,10 @@ class Codes4Linear(GroupTiles):
         q = codes.view(tiles, rows, groups, 4, 2, 4)  # (tile, row, group, run k, nibble, input 8k + 4·nibble + i)
         q = q.permute(0, 2, 3, 1, 5, 4)  # (tile, group, run, row, input, nibble): the kernel's byte order
         return (q[..., 0] | q[..., 1] << 4).contiguous()
+
+    @staticmethod
+    def row_codes(packed: torch.Tensor, tile: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        return nibbles(packed.view(packed.shape[0], -1, 4, Codes4Linear.TILE, 4)[tile, :, :, row])
 
 
 class Codes5Linear(GroupTiles):
@@ -158,6 +176,16 @@ class Codes5Linear(GroupTiles):
         plane = (pairs << shifts).sum(3, dtype=torch.uint8)  # (tile, group, run, 16): disjoint bits, so sum = or
         return torch.cat([low, plane.reshape(tiles, groups, 64)], dim=-1).contiguous()
 
+    @staticmethod
+    def row_codes(packed: torch.Tensor, tile: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        per_group = packed.view(packed.shape[0], -1, 320)  # (tile, group, 256 bytes of low bits + 64 of fifth bits)
+        low = Codes4Linear.row_codes(per_group[..., :256], tile, row)
+        # Row r's input i of a run is run byte 4r + i = 16t + c: plane byte c = 4·(r mod 4) + i, bits 2t and 2t + 1.
+        plane = per_group[..., 256:].reshape(packed.shape[0], -1, 4, 4, 4)[tile, :, :, row % 4]  # (n, group, run, 4)
+        pairs = plane >> (2 * (row // 4)).to(torch.uint8).view(-1, 1, 1, 1) & 3
+        fifth = torch.stack([pairs & 1, pairs >> 1], dim=-2)  # (n, group, run, nibble, input): as `nibbles` orders
+        return low | fifth.reshape(low.shape) << 4
+
 
 class Codes8Linear(GroupTiles):
     """8-bit codes (Q8_0): integer dot products with the inputs quantized to 8 bits per group, the codes centred
@@ -170,6 +198,11 @@ class Codes8Linear(GroupTiles):
         tiles, rows, groups, _ = codes.shape
         q = codes.view(tiles, rows, groups, 8, 4)  # (tile, row, group, run k, input 4k + i)
         return q.permute(0, 2, 3, 1, 4).contiguous()  # (tile, group, run, row, input): the kernel's byte order
+
+    @staticmethod
+    def row_codes(packed: torch.Tensor, tile: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        picked = packed.view(packed.shape[0], -1, 8, Codes8Linear.TILE, 4)[tile, :, :, row]  # (n, group, run, input)
+        return picked.reshape(len(tile), -1)
 
 
 class SuperBlockLinear(WeightOnlyLinear):
@@ -202,6 +235,16 @@ class SuperBlockLinear(WeightOnlyLinear):
                    self.out_features)
         return y.to(self.activation_dtype)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weights of output rows `ids` (n,), as the codes hold them: (n, in) float32 (an embedding's lookup)."""
+        tile, row = ids // self.TILE, ids % self.TILE
+        packing = Codes5Linear if self.bits == 5 else Codes4Linear
+        codes = packing.row_codes(self.packed, tile, row).float().view(len(ids), -1, GROUP_SIZE)  # (n, group, 32)
+        per_group = lambda t: t[tile, :, row].float().repeat_interleave(SUPER_BLOCK // GROUP_SIZE, dim=1)  # (n, group)
+        scale = per_group(self.scale) * self.group_scale[tile, :, row].float()  # d·sc
+        minimum = per_group(self.minimum_scale) * self.group_minimum[tile, :, row].float()  # dmin·mn
+        return (codes * scale[..., None] - minimum[..., None]).view(len(ids), self.in_features)
+
 
 class SubBlock6Linear(WeightOnlyLinear):
     """GGUF's Q6_K as stored, through kvserve's kernel (engine/linear/native/subblock6_product.cpp): in tiles of 16
@@ -232,6 +275,20 @@ class SubBlock6Linear(WeightOnlyLinear):
                                                 self.out_features)
         return y.to(self.activation_dtype)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weights of output rows `ids` (n,), as the codes hold them: (n, in) float32 (an embedding's lookup)."""
+        tile, row = ids // self.TILE, ids % self.TILE
+        per_group = self.packed.view(self.packed.shape[0], -1, 384)  # (tile, group, 256 bytes of low bits + 128 of high)
+        low = Codes4Linear.row_codes(per_group[..., :256], tile, row)
+        # Row r's input i of a run is run byte 4r + i: byte 4·(r mod 8) + i of the run's 32, its bits 4·(r div 8) on.
+        high = per_group[..., 256:].reshape(self.packed.shape[0], -1, 4, 8, 4)[tile, :, :, row % 8]  # (n, group, run, 4)
+        high = high >> (4 * (row // 8)).to(torch.uint8).view(-1, 1, 1, 1) & 15
+        high = torch.stack([high & 3, high >> 2], dim=-2).reshape(low.shape)  # (n, in): as `nibbles` orders
+        codes = (low | high << 4).float().view(len(ids), -1, SubBlockCodes.SUB_BLOCK) - 32  # (n, sub-block, 16)
+        scale = self.block_scale[tile, :, row].float().repeat_interleave(SUPER_BLOCK // SubBlockCodes.SUB_BLOCK, dim=1)
+        scale = scale * self.scale[tile, :, row].float()  # d·sc, (n, sub-block)
+        return (codes * scale[..., None]).view(len(ids), self.in_features)
+
 
 class StackedLinear(WeightOnlyLinear):
     """Row-stacked layers of different kinds as one (a Q4_K_M file's q and k in Q4_K above its v in Q6_K): each part's
@@ -247,6 +304,11 @@ class StackedLinear(WeightOnlyLinear):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.cat([p.product(rows) for p in self.parts], dim=1)  # (tokens, out): the parts' rows in order
+
+
+def nibbles(runs: torch.Tensor) -> torch.Tensor:
+    """(n, group, run, 4) bytes of one row, as Codes4Linear packs them -> (n, in) codes: input 8k + 4·nibble + i."""
+    return torch.stack([runs & 15, runs >> 4], dim=-2).reshape(runs.shape[0], -1)  # (n, group, run, nibble, input)
 
 
 def tiles_of(t: torch.Tensor, tile: int) -> torch.Tensor:

@@ -48,6 +48,15 @@ class Transformer(nn.Module):
             x = layer(x, rope, cache.layer(index), batch)
         return self.norm(x)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the blocks compute in and the cache holds: the norms' dtype, the checkpoint's as loaded."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
@@ -57,7 +66,8 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWe
     """A Transformer holding exactly `state` (strict: every parameter present, no extras), on `device`.
 
     Each linear layer is what `planner` decides for its weight (by default: dense, as this machine runs it
-    fastest); the decisions, with their reasons, are the model's `plan`. The embedding and norms stay dense.
+    fastest), and so is the embedding (dense, or read from a tied head's codes); the decisions, with their reasons,
+    are the model's `plan`. The norms stay dense.
     """
     planner = planner or Planner(Machine.found(device))
     with torch.device("meta"):
@@ -72,6 +82,11 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWe
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, decision.layer)
         decisions.append(decision)
+    head = next(d for d in decisions if d.name == "lm_head") if config.tie_word_embeddings else None
+    lookup = planner.embedding(state.pop("embed_tokens.weight"), head)
+    model.embed_tokens = lookup.layer
+    state |= lookup.layer.state_dict(prefix="embed_tokens.")
+    decisions.insert(0, lookup)
     model.load_state_dict(state, strict=True, assign=True)
     retie(model)
     model.plan = tuple(decisions)
@@ -81,7 +96,9 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWe
 def retie(model: Transformer) -> None:
     """assign=True made each name its own Parameter: a head that computes on the embedding itself (tied, in any
     form) gets the embedding's Parameter back, so the two stay one tensor."""
-    embedding = model.embed_tokens.weight
+    embedding = getattr(model.embed_tokens, "weight", None)
+    if embedding is None:  # read from the head's codes: nothing to tie
+        return
     for module in model.lm_head.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, nn.Parameter) and weight is not embedding and weight.data_ptr() == embedding.data_ptr():
