@@ -199,6 +199,11 @@ def test_a_quantized_gguf_is_served_as_stored(gguf_model, tiny_dir, tmp_path, qt
     # Q8_0 MLP in the fixture, else qtype: kvserve's kernels where they build (tests/test_quantization checks that)
     assert isinstance(mlp, codes_layer_class(8 if qtype is None else 4, Machine.found(torch.device("cpu"))))
     assert isinstance(attn, WeightOnlyLinear) == (qtype is not None)  # F16 matrices stay dense
+    # Untied: the embedding's lookups read its own codes (Q8_0 in the fixture), not a dense table beside them
+    lookup = served.model.plan[0]
+    assert lookup.name == "embed_tokens" and lookup.served == (f"{(qtype or GGMLQuantizationType.Q8_0).name} as stored",)
+    kernels = Machine.found(torch.device("cpu")).kernels_off is None
+    assert (lookup.kind == "CodesEmbedding") == kernels and served.model.embed_tokens is lookup.layer
     ids = [5, 17, 33, 120, 7, 250, 64]
     exact = engine_for(reference).prompt_logits(ids)  # float32, the same weights dequantized
     got = served.prompt_logits(ids)

@@ -116,21 +116,38 @@ def test_a_tied_embedding_reads_its_rows_from_the_heads_codes_where_they_can():
     the dense table is itself the head or a form of it, or the codes cannot read their rows back."""
     codes, embedding = q4_0(), torch.randn(48, 64).bfloat16()
     head = Planner(KERNELS, "auto", timings=Given()).plan(codes, None, Role("lm_head", embedding))
-    lookup = Planner(KERNELS).embedding(embedding, head)
+    lookup = Planner(KERNELS).embedding(embedding, head, torch.bfloat16)
     assert isinstance(lookup.layer, CodesEmbedding) and lookup.layer.codes is head.layer
     assert lookup.reason == "rows of the LM head's codes, dequantized at lookup to bfloat16: no dense table beside them"
     tokens = torch.tensor([[0, 17, 47], [16, 15, 3]])
     with torch.inference_mode():
         assert torch.equal(lookup.layer(tokens), codes.dequantize().bfloat16()[tokens])
     switching = Planner(KERNELS, "auto", timings=Given(head=3)).plan(codes, None, Role("lm_head", embedding))
-    dense = Planner(KERNELS).embedding(embedding, switching)
+    dense = Planner(KERNELS).embedding(embedding, switching, torch.bfloat16)
     assert isinstance(dense.layer, torch.nn.Embedding) and dense.layer.weight.data_ptr() == embedding.data_ptr()
     assert dense.reason == "dense bfloat16: also the LM head's dense form, from 3 rows"
     torchs = Planner(NO_KERNELS, "auto", timings=Given()).plan(codes, None, Role("lm_head", embedding))
-    assert Planner(NO_KERNELS).embedding(embedding, torchs).reason == "dense bfloat16: the head's GroupLinear codes do not read their rows back"
+    assert Planner(NO_KERNELS).embedding(embedding, torchs, torch.bfloat16).reason == "dense bfloat16: the head's GroupLinear codes do not read their rows back"
     plain = Planner(KERNELS).plan(embedding, None, Role("lm_head", embedding))
-    assert Planner(KERNELS).embedding(embedding, plain).reason == "dense bfloat16: also the LM head"
-    assert Planner(KERNELS).embedding(embedding, None).reason == "dense bfloat16: the checkpoint's own table (not tied to the head)"
+    assert Planner(KERNELS).embedding(embedding, plain, torch.bfloat16).reason == "dense bfloat16: also the LM head"
+    assert Planner(KERNELS).embedding(embedding, None, torch.bfloat16).reason == "dense bfloat16: the checkpoint's own table (not tied to the head)"
+
+
+def test_an_untied_quantized_embedding_reads_its_rows_from_its_own_codes():
+    """An untied GGUF's table (Mistral's, Llama 3 8B's) as stored: a codes layer of its own, whose product never
+    runs, serves the lookups; where kvserve's kernels are off, the codes dequantized once into a dense table."""
+    codes = q4_0()
+    tokens = torch.tensor([[0, 17, 47], [16, 15, 3]])
+    lookup = Planner(KERNELS, "auto", timings=Given()).embedding(codes, None, torch.bfloat16)
+    assert isinstance(lookup.layer, CodesEmbedding) and isinstance(lookup.layer.codes, Codes4Linear)
+    assert lookup.reason == "Q4_0 as stored: its own codes, rows dequantized at lookup to bfloat16"
+    assert lookup.served == ("Q4_0 as stored",)
+    dense = Planner(NO_KERNELS).embedding(codes, None, torch.bfloat16)
+    assert isinstance(dense.layer, torch.nn.Embedding) and dense.layer.weight.dtype == torch.bfloat16
+    assert dense.reason == "dense bfloat16: the stored codes dequantized at load (kvserve's kernels are off here)"
+    with torch.inference_mode():
+        for layer in (lookup.layer, dense.layer):
+            assert torch.equal(layer(tokens), codes.dequantize().bfloat16()[tokens])
 
 
 @pytest.mark.parametrize("switch", [2, None])

@@ -262,9 +262,10 @@ def run_quantized_rank(rank: int, world: int, path: str, port: int, out: str) ->
     os._exit(0)  # as run_rank
 
 
-def test_two_ranks_serve_a_quantized_gguf_as_one_does(model_dir, tmp_path):
-    """Tied: each rank's embedding rows are its part of the head's codes, looked up there."""
-    write_gguf(model_dir("tied"), tmp_path / "q.gguf", override_type=GGMLQuantizationType.Q4_0)
+@pytest.mark.parametrize("variant", ["tied", "gqa"])
+def test_two_ranks_serve_a_quantized_gguf_as_one_does(model_dir, tmp_path, variant):
+    """Each rank's embedding rows are its part of the codes, looked up there: the head's (tied), or the table's own."""
+    write_gguf(model_dir(variant), tmp_path / "q.gguf", override_type=GGMLQuantizationType.Q4_0)
     imported = import_gguf(tmp_path / "q.gguf", tmp_path / "imported", progress=False)
     mp.spawn(run_quantized_rank, args=(2, str(imported), free_port(), str(tmp_path)), nprocs=2, join=True)
     whole = load_engine(imported, EngineConfig(**(SETTINGS | {"dtype": "auto"})))

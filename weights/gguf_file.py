@@ -253,9 +253,11 @@ class GGUFFile:
                                 f"which kvserve does not read (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
 
     def tensors(self, progress: bool = True, codes: bool = False) -> dict[str, torch.Tensor | QuantizedWeight]:
-        """Hugging Face name -> float32 tensor; with `codes`, quantized matrices (not the embedding) as group codes.
+        """Hugging Face name -> float32 tensor; with `codes`, quantized matrices as their codes (`group_codes`).
 
-        A tied model's quantized embedding is also the LM head: then "lm_head.weight" holds its codes.
+        A tied model's quantized embedding is also the LM head: then "lm_head.weight" holds its codes and the
+        embedding comes dense, as the form of the head the planner may pick for many rows (`Planner.embedding`
+        then decides what the lookups read). An untied model's quantized embedding comes as its own codes.
         """
         self.check_types()
         config = self.hf_config()
@@ -264,8 +266,9 @@ class GGUFFile:
         for t in tqdm(self.reader.tensors, desc="reading weights", unit="tensor", disable=not progress):
             name = self.hf_name(t.name)
             quantized = codes and t.tensor_type not in FLOAT_TYPES and len(t.shape) == 2
-            value = self.group_codes(t) if quantized and t.name != "token_embd.weight" else self.dense(t)
-            if quantized and t.name == "token_embd.weight" and config["tie_word_embeddings"]:
+            head_too = t.name == "token_embd.weight" and config["tie_word_embeddings"]
+            value = self.group_codes(t) if quantized and not head_too else self.dense(t)
+            if quantized and head_too:
                 out["lm_head.weight"] = self.group_codes(t)
             stem = t.name.split(".")[-2]
             if self.arch == "llama" and stem in heads:

@@ -189,16 +189,19 @@ class Planner:
             how += "; no dense copy: the codes were faster at every row count (measured)"
         return Decision(role.name, codes, how, served)
 
-    def embedding(self, weight: torch.Tensor, head: Decision | None) -> Decision:
-        """The token embedding (vocab, hidden) as the checkpoint holds it dense; `head`: the LM head's decision where
-        the two are tied. Where the head is codes alone that can read their rows back, the lookups read them: the
-        table is then held once, as stored; otherwise the dense table (it is then also the head, or a form of it)."""
+    def embedding(self, weight: torch.Tensor | QuantizedWeight, head: Decision | None, dtype: torch.dtype) -> Decision:
+        """The token embedding (vocab, hidden): dense, or codes where an untied GGUF stores it quantized; `head`: the
+        LM head's decision where the two are tied; `dtype`: what the blocks compute in. Lookups read codes wherever
+        codes that read their rows back hold the table (the tied head's, or the embedding's own): the table is then
+        held once, as stored; otherwise the dense table (it is then also the head, or a form of it)."""
+        if isinstance(weight, QUANTIZED):
+            return self._own_codes_embedding(weight, dtype)
         layer = head.layer if head is not None else None
         if isinstance(layer, TwoForms) and isinstance(layer.dense, PackedLinear):
             layer = layer.codes  # its dense form is a packed copy: the table itself serves only the lookups
         if isinstance(layer, ROW_READABLE):
-            return Decision("embed_tokens", CodesEmbedding(layer, weight.dtype),
-                            f"rows of the LM head's codes, dequantized at lookup to {dtype_name(weight.dtype)}: "
+            return Decision("embed_tokens", CodesEmbedding(layer, dtype),
+                            f"rows of the LM head's codes, dequantized at lookup to {dtype_name(dtype)}: "
                             "no dense table beside them")
         if head is None:
             why = "the checkpoint's own table (not tied to the head)"
@@ -209,6 +212,21 @@ class Planner:
         else:
             why = "also the LM head"
         return Decision("embed_tokens", dense_embedding(weight), f"dense {dtype_name(weight.dtype)}: {why}")
+
+    def _own_codes_embedding(self, weight: QuantizedWeight, dtype: torch.dtype) -> Decision:
+        """An untied table stored quantized: its rows read from a codes layer of its own (whose product never runs),
+        where kvserve's kernels hold that type; else dequantized once into a dense table."""
+        if self.machine.cpu and self.machine.kernels_off is None and not isinstance(weight, StackedCodes):
+            codes, _ = self._codes_layer(weight, None, head=False)
+            if isinstance(codes, ROW_READABLE):
+                return Decision("embed_tokens", CodesEmbedding(codes, dtype),
+                                f"{'; '.join(weight.served)}: its own codes, rows dequantized at lookup to "
+                                f"{dtype_name(dtype)}", weight.served)
+            why = f"{type(codes).__name__} codes do not read their rows back"
+        else:
+            why = "kvserve's kernels are off here" if self.machine.cpu else f"on {self.machine.device.type}"
+        return Decision("embed_tokens", dense_embedding(weight.dequantize().to(dtype)),
+                        f"dense {dtype_name(dtype)}: the stored codes dequantized at load ({why})")
 
     @property
     def forms(self) -> ProductForms:

@@ -66,7 +66,7 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWe
     """A Transformer holding exactly `state` (strict: every parameter present, no extras), on `device`.
 
     Each linear layer is what `planner` decides for its weight (by default: dense, as this machine runs it
-    fastest), and so is the embedding (dense, or read from a tied head's codes); the decisions, with their reasons,
+    fastest), and so is the embedding (dense, or read from codes: a tied head's or its own); the decisions, with their reasons,
     are the model's `plan`. The norms stay dense.
     """
     planner = planner or Planner(Machine.found(device))
@@ -83,7 +83,7 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWe
         setattr(model.get_submodule(parent), child, decision.layer)
         decisions.append(decision)
     head = next(d for d in decisions if d.name == "lm_head") if config.tie_word_embeddings else None
-    lookup = planner.embedding(state.pop("embed_tokens.weight"), head)
+    lookup = planner.embedding(state.pop("embed_tokens.weight"), head, state["norm.weight"].dtype)
     model.embed_tokens = lookup.layer
     state |= lookup.layer.state_dict(prefix="embed_tokens.")
     decisions.insert(0, lookup)
