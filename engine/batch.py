@@ -11,7 +11,7 @@ from functools import cached_property
 import torch
 
 from engine.models.attention import grouped_attention
-from engine.kv_cache import LayerCache
+from engine.kv_cache import LayerCache, ring_readable
 
 
 def cache_rows(slots: list[int], slot_index: torch.Tensor) -> slice | torch.Tensor:
@@ -153,9 +153,12 @@ class DecodeBatch:
             return torch.ops.kvserve.decode_attention(q, cache.keys, cache.values, self.slot_index, self.positions,
                                                       window or 0)
         rows = cache_rows(self.slots, self.slot_index)
-        if cache.ring:  # entry i < C holds a key the row may read iff i <= its position: the first C of the mask
+        if cache.ring:  # the entries of each row's window, of the first min(kv_len, C) (later ones unwritten)
             n = min(self.kv_len, capacity)
-            mask = None if self.mask is None else self.mask[..., :n]
+            if cache.lookahead:  # a ring with a lookahead: it also holds keys older than the window, or drafts
+                mask = ring_readable(self.positions, capacity, window, cache.lookahead)[:, None, None, :n]  # (b, 1, 1, n)
+            else:  # entry i < C holds a key the row may read iff i <= its position: the first C of the mask
+                mask = None if self.mask is None else self.mask[..., :n]
             return grouped_attention(q, cache.keys[rows, :, :n], cache.values[rows, :, :n], mask)
         keys, values = cache.keys[rows, :, : self.kv_len], cache.values[rows, :, : self.kv_len]
         if window is None or self.kv_len <= window:

@@ -117,18 +117,15 @@ class Engine:
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
                 f"{model_config.max_position_embeddings}"
             )
-        slots = self._slots(model_config, max_seq_len)
-        self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype, config.full_windows)
+        # Speculative decoding verifies a request's drafts as rows of its slot at the positions after its newest
+        # token: a ring (a sliding layer that keeps only its window) then holds K more entries than its window.
+        self.speculative = config.speculative
+        drafts = config.num_speculative_tokens if self.speculative != "off" else 0
+        slots = self._slots(model_config, max_seq_len, drafts)
+        self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype, config.full_windows, drafts)
         self.rotary = RotaryTable(model_config, max_seq_len, self.device, self.dtype)
         self.scheduler = Scheduler(slots, config.prefix_caching, copy_min_tokens=config.prefill_chunk_size,
-                                   ring=self.cache.ring_capacity)
-        # Drafts are verified as rows of their slot at consecutive positions, which a ring (a sliding layer that
-        # keeps only its window) cannot hold: the newest row's entry is one the oldest still reads.
-        self.speculative = config.speculative if self.cache.ring_capacity is None else "off"
-        if self.speculative != config.speculative:
-            log.info("speculative decoding is off: sliding-window layers keep only their window (full_windows keeps "
-                     "every position and allows it)")
-        drafts = config.num_speculative_tokens if self.speculative != "off" else 0
+                                   ring=self.cache.ring_window)
         self.executor = DecodeExecutor(model, self.rotary, self.cache, rows=slots * (1 + drafts))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -142,12 +139,13 @@ class Engine:
             log.info("linear %s (x%d): %s, %s", entry["matrices"], entry["count"], entry["layer"], entry["reason"])
         log.info(self.cache.describe())
 
-    def _slots(self, model_config, max_seq_len: int) -> int:
+    def _slots(self, model_config, max_seq_len: int, lookahead: int) -> int:
         if self.config.kv_cache_memory is None:
             return self.config.max_batch_size
         budget = self.config.kv_cache_memory
         budget = parse_bytes(budget) if isinstance(budget, str) else budget
-        slots = KVCache.slots_for_budget(model_config, max_seq_len, budget, self.dtype, self.config.full_windows)
+        slots = KVCache.slots_for_budget(model_config, max_seq_len, budget, self.dtype, self.config.full_windows,
+                                         lookahead)
         if slots < 1:
             raise ValueError(
                 f"kv_cache_memory {format_bytes(budget)} holds no sequence of {max_seq_len} tokens; "
@@ -376,7 +374,7 @@ class Engine:
 
     @property
     def speculation(self) -> dict:
-        """What speculative decoding does here: the method (off where the cache cannot verify drafts), the drafts
+        """What speculative decoding does here: the method, the drafts
         per step at most, the drafts verified and kept so far, and the fit of a step's cost in its rows."""
         line = self.step_costs.line()
         return {"method": self.speculative, "requested": self.config.speculative,

@@ -33,7 +33,7 @@ import torch
 from engine.models.attention import broadcast_attention, grouped_attention
 from engine.batch import DecodeBatch
 from engine.captured_steps import CapturedSteps
-from engine.kv_cache import KVCache, LayerCache
+from engine.kv_cache import KVCache, LayerCache, ring_readable
 from engine.models.model import Transformer
 from engine.linear.native import kernels_run_on
 from engine.rope import RotaryTable
@@ -86,7 +86,8 @@ class CacheLayers:
     def layer(self, index: int) -> LayerCache:
         group, at = self.cache.places[index]
         data = self.groups[group]
-        return LayerCache(LayerEntries(data, 0, at), LayerEntries(data, 1, at), self.cache.is_ring(index))
+        return LayerCache(LayerEntries(data, 0, at), LayerEntries(data, 1, at), self.cache.is_ring(index),
+                          self.cache.lookahead)
 
 
 @dataclass
@@ -116,10 +117,9 @@ class GraphDecodeBatch:
             return torch.ops.kvserve.decode_attention(q, keys.data[keys.kind, keys.layer], values.data[values.kind, values.layer],
                                                       self.slot_index, self.positions, window or 0)
         mask = self.mask
-        if cache.ring:  # entry i < C holds a key the row may read iff i <= its position; all C read (a slice
-            # to min(kv_len, C) would be a guard on which is larger)
-            entry = torch.arange(keys.capacity, device=mask.device)
-            mask = (entry <= self.positions)[:, None, None, :]  # (b, 1, 1, C)
+        if cache.ring:  # the entries of each row's window (ring_readable); all C read (a slice to
+            # min(kv_len, C) would be a guard on which is larger)
+            mask = ring_readable(self.positions, keys.capacity, window, cache.lookahead)[:, None, None, :]  # (b, 1, 1, C)
         elif window is not None:  # a sliding layer of full length: of those keys, the window's last ones
             key_pos = torch.arange(mask.shape[-1], device=mask.device)
             mask = mask & (key_pos > self.positions - window)[:, None, None, :]  # (b, 1, 1, kv_len)

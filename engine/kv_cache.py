@@ -13,11 +13,13 @@ from engine.config import ModelConfig
 @dataclass(frozen=True)
 class LayerCache:
     """One layer's K and V entries, each (B, h_kv, C, d_h), and whether they are a ring (position p at entry p mod C,
-    C = the layer's window: it holds exactly the keys its queries may read) or one entry per position."""
+    C = the layer's window W plus the lookahead K: the keys its queries may read, and room for the K positions a
+    step verifying drafts writes past the newest token) or one entry per position."""
 
     keys: torch.Tensor
     values: torch.Tensor
     ring: bool
+    lookahead: int = 0  # K: a ring's entries past its window (a Python number, never a traced shape)
 
 
 def zeroed(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -31,10 +33,27 @@ def zeroed(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.frombuffer(pages, dtype=dtype, count=numel)
 
 
-def layer_capacities(config: ModelConfig, max_seq_len: int, full_windows: bool = False) -> tuple[int, ...]:
-    """Entries per slot of each layer: T for a global layer, min(W, T) for a sliding one (T with full_windows)."""
-    return tuple(max_seq_len if (w := config.window(i)) is None or full_windows else min(w, max_seq_len)
+def layer_capacities(config: ModelConfig, max_seq_len: int, full_windows: bool = False,
+                     lookahead: int = 0) -> tuple[int, ...]:
+    """Entries per slot of each layer: T for a global layer, min(W + K, T) for a sliding one (T with full_windows),
+    K = `lookahead`: the positions past its newest token one step writes (speculative decoding's drafts). A step
+    writing positions p..p+K overwrites the entries of p+K-C and before: with C >= W + K, keys no query of the
+    step, nor any later one, reads (the oldest reads p-W+1)."""
+    return tuple(max_seq_len if (w := config.window(i)) is None or full_windows else min(w + lookahead, max_seq_len)
                  for i in range(config.num_layers))
+
+
+def ring_readable(positions: torch.Tensor, capacity: int, window: int, lookahead: int) -> torch.Tensor:
+    """positions (b, 1) -> (b, C) bool: which of a ring's C entries a query at position p reads. Entry e holds
+    p - ((p - e) mod C) if that is p or older (e <= p once the ring has wrapped, p >= C); a key of its window iff
+    less than W back. An entry that holds a newer position (a draft of this step, or one rejected before) holds
+    p + j for some 0 < j <= K, whose back is C - j >= W: never read. Without a lookahead (C <= W) every written
+    entry is read. (`lookahead`, not C against W, decides: a compiled step traces C as a symbol.)"""
+    entry = torch.arange(capacity, device=positions.device)[None, :]  # (1, C)
+    written = entry <= positions  # (b, C)
+    if lookahead == 0:
+        return written
+    return written & (torch.remainder(positions - entry, capacity) < window)
 
 
 class KVCache:
@@ -49,7 +68,7 @@ class KVCache:
     """
 
     def __init__(self, config: ModelConfig, slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
-                 full_windows: bool = False):
+                 full_windows: bool = False, lookahead: int = 0):
         if slots <= 0 or max_seq_len <= 0:
             raise ValueError(f"KV cache needs positive slots and max_seq_len, got {slots} and {max_seq_len}")
         self.num_layers = config.num_layers
@@ -58,7 +77,8 @@ class KVCache:
         self.head_dim = config.head_dim
         self.slots = slots
         self.max_seq_len = max_seq_len
-        self.capacities = layer_capacities(config, max_seq_len, full_windows)
+        self.lookahead = lookahead
+        self.capacities = layer_capacities(config, max_seq_len, full_windows, lookahead)
         self.windows = tuple(config.window(i) for i in range(config.num_layers))
         shape = (slots, config.num_kv_heads)
         members = {c: [i for i, ci in enumerate(self.capacities) if ci == c]
@@ -73,20 +93,26 @@ class KVCache:
         self.places = tuple(places[i] for i in range(config.num_layers))
 
     def is_ring(self, index: int) -> bool:
-        """Whether layer `index` keeps only its window, position p at entry p mod C (C <= W: never a key too old)."""
-        window = self.windows[index]
-        return window is not None and self.capacities[index] <= window
+        """Whether layer `index` keeps only its window (and lookahead), position p at entry p mod C (C < T)."""
+        return self.windows[index] is not None and self.capacities[index] < self.max_seq_len
 
     def layer(self, index: int) -> LayerCache:
         group, at = self.places[index]
         data = self.groups[group]
-        return LayerCache(data[0, at], data[1, at], self.is_ring(index))
+        return LayerCache(data[0, at], data[1, at], self.is_ring(index), self.lookahead)
 
     @property
     def ring_capacity(self) -> int | None:
         """The fewest positions a ring layer holds (a slot that wrote more has lost its first ones there), or None
         where every layer holds every position."""
         return min((c for i, c in enumerate(self.capacities) if c < self.max_seq_len), default=None)
+
+    @property
+    def ring_window(self) -> int | None:
+        """The most positions a slot can hold and still have lost none of them from a ring: its capacity less the
+        lookahead (a step verifying drafts may write K positions past the newest, wrapping onto the first ones);
+        None where every layer holds every position."""
+        return None if self.ring_capacity is None else self.ring_capacity - self.lookahead
 
     def copy_prefix(self, source: int, target: int, positions: int) -> None:
         """Slot `target`'s first `positions` entries become slot `source`'s, in every layer (a ring: all of its
@@ -123,10 +149,10 @@ class KVCache:
 
     @staticmethod
     def slots_for_budget(config: ModelConfig, max_seq_len: int, budget_bytes: int, dtype: torch.dtype,
-                         full_windows: bool = False) -> int:
+                         full_windows: bool = False, lookahead: int = 0) -> int:
         """The largest B whose cache of `max_seq_len` positions fits in `budget_bytes`."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        entries = sum(layer_capacities(config, max_seq_len, full_windows))
+        entries = sum(layer_capacities(config, max_seq_len, full_windows, lookahead))
         return budget_bytes // (2 * entries * config.num_kv_heads * config.head_dim * itemsize)
 
     @property
@@ -144,6 +170,9 @@ class KVCache:
             sliding = sum(c < self.max_seq_len for c in self.capacities)
             terms |= {"formula": "2*B*(L_global*T + L_sliding*W)*h_kv*d_h*itemsize", "L_global": self.num_layers - sliding,
                       "L_sliding": sliding, "W": self.ring_capacity, "full_length_bytes": self.full_length_bytes}
+            if self.lookahead:  # the ring also holds the positions a step verifying drafts writes
+                terms |= {"formula": "2*B*(L_global*T + L_sliding*(W+K))*h_kv*d_h*itemsize",
+                          "W": self.ring_capacity - self.lookahead, "K": self.lookahead}
         return terms
 
     def describe(self) -> str:

@@ -35,7 +35,7 @@ class Scheduler:
     def __init__(self, slots: int, prefix_caching: bool, copy_min_tokens: int, ring: int | None = None):
         self.prefix_caching = prefix_caching
         self.copy_min_tokens = copy_min_tokens
-        self.ring = ring  # the fewest positions a ring layer of the cache holds; None: every layer holds them all
+        self.ring = ring  # the most positions a slot holds with none lost from a ring (KVCache.ring_window); None: no rings
         self.free_slots = list(range(slots))  # least recently used first
         self.kept: list[list[int]] = [[] for _ in range(slots)]  # per slot: the tokens its first positions hold
         self.waiting: deque[Request] = deque()

@@ -131,10 +131,11 @@ def test_our_decode_attention_reads_each_rows_keys_in_the_cache(dtype, h_q, h_kv
         torch.testing.assert_close(got[r:r + 1].float(), want, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("capacity", [700, 300])
+@pytest.mark.parametrize("capacity", [700, 300, 303])
 def test_our_decode_attention_reads_only_the_window(capacity):
-    """A sliding layer's keys: the window's last ones, in a full-length layer (capacity 700) or a ring that holds
-    only the window (300 entries, position p at entry p mod 300, rows past its end reading all of it)."""
+    """A sliding layer's keys: the window's last ones, in a full-length layer (capacity 700), a ring that holds
+    only the window (300 entries, position p at entry p mod 300, rows past its end reading all of it) or a ring
+    that also holds 3 positions of drafts (303 entries: past its end, the window's entries wrap around it)."""
     from engine.linear.native import load_kernels
 
     if load_kernels() is not None:
@@ -142,10 +143,11 @@ def test_our_decode_attention_reads_only_the_window(capacity):
     window = 300
     generator = torch.Generator().manual_seed(1)
     keys, values = (torch.randn(3, 2, capacity, 16, generator=generator) for _ in range(2))
-    slots, positions = torch.tensor([0, 2, 1]), torch.tensor([[10], [299], [650 if capacity == 300 else 450]])
-    q = torch.randn(3, 4, 1, 16, generator=generator)
+    slots = torch.tensor([0, 2, 1, 2, 0])
+    positions = torch.tensor([[10], [299], [650 if capacity < 700 else 450], [302], [303]])
+    q = torch.randn(5, 4, 1, 16, generator=generator)
     got = torch.ops.kvserve.decode_attention(q, keys, values, slots, positions, window)
-    for r in range(3):
+    for r in range(5):
         p = int(positions[r, 0])
         held = [t % capacity for t in range(max(0, p - window + 1), p + 1)]  # the window's entries
         want = grouped_attention(q[r:r + 1], keys[slots[r]][None, :, held], values[slots[r]][None, :, held], None)

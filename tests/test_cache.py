@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.kv_cache import KVCache, parse_bytes
+from engine.kv_cache import KVCache, parse_bytes, ring_readable
 from tests.test_attention import tiny_config
 
 
@@ -72,6 +72,29 @@ def test_sliding_layers_hold_only_their_window(full_windows):
     for i in range(4):
         cache.layer(i).keys.zero_()
     assert int((cache.storage == 0).sum()) == cache.storage.numel() // 2
+
+
+def test_a_ring_holds_its_window_and_the_lookahead_of_verified_drafts():
+    """With speculative decoding a step writes K positions past the newest token: each ring holds W + K entries
+    (capped at T), and the formula says so."""
+    cache = KVCache(sliding_config(), slots=5, max_seq_len=40, device=torch.device("cpu"), dtype=torch.bfloat16,
+                    lookahead=3)
+    assert cache.capacities == (11, 11, 11, 40) and cache.ring_capacity == 11
+    assert cache.capacity_bytes == 2 * 5 * (40 + 3 * 11) * 2 * 16 * 2
+    terms = cache.terms()
+    assert terms["formula"] == "2*B*(L_global*T + L_sliding*(W+K))*h_kv*d_h*itemsize" and (terms["W"], terms["K"]) == (8, 3)
+    assert KVCache(sliding_config(), 5, 10, torch.device("cpu"), torch.bfloat16, lookahead=3).ring_capacity is None
+
+
+@pytest.mark.parametrize("capacity", [4, 7])
+def test_a_ring_reads_exactly_the_window_of_each_position(capacity):
+    """ring_readable: the entries of positions p - W + 1 .. p (W = 4), never one of a newer position (a draft),
+    in a ring of the window alone or of the window and 3 positions of lookahead."""
+    window, positions = 4, torch.arange(30)[:, None]
+    readable = ring_readable(positions, capacity, window, capacity - window)
+    for p in range(30):
+        held = {t % capacity for t in range(max(0, p - window + 1), p + 1)}
+        assert set(readable[p].nonzero().flatten().tolist()) == held
 
 
 def test_budget_sizing_counts_the_windows():

@@ -4,6 +4,7 @@ the real server over a socket), and its parts do what they say (pure tests of th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import re
 
 import httpx
@@ -204,17 +205,64 @@ def test_verification_through_the_padded_steps_cuda_captures(model_dir):
     assert got == plain and sum(d.accepted for ds in drafts for d in ds) > 0
 
 
-def test_sliding_window_rings_turn_speculation_off_and_full_windows_keep_it(model_dir):
-    ring = load_engine(model_dir("gemma3"), EngineConfig(device="cpu", dtype="float32", max_seq_len=64,
-                                                         speculative="ngram"))
-    assert ring.speculation["method"] == "off" and ring.speculation["requested"] == "ngram"
-    full = load_engine(model_dir("gemma3"), EngineConfig(device="cpu", dtype="float32", max_seq_len=64,
-                                                         speculative="ngram", full_windows=True))
-    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
-    plain = load_engine(model_dir("gemma3"), EngineConfig(device="cpu", dtype="float32", max_seq_len=64,
-                                                          full_windows=True))
-    assert full.speculation["method"] == "ngram"
-    assert run(drafting_always(full), [REPEATING], [params])[0] == run(plain, [REPEATING], [params])[0]
+@pytest.mark.parametrize("kernel", [True, False])
+def test_sliding_window_rings_hold_the_drafts_and_change_nothing(model_dir, monkeypatch, kernel):
+    """A ring keeps its window W and the K positions a verifying step writes past the newest token (C = W + K).
+    Greedy and sampled outputs, with drafts always right and always wrong, are those of the ring without
+    speculation (itself transformers' in test_parity): long past the window of 4, in a batch, read by kvserve's
+    attention kernel or by torch's attention over the ring's mask."""
+    settings = dict(device="cpu", dtype="float32", max_batch_size=4, max_seq_len=96, seed=0)
+    params = [SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)] * 2 + [
+        SamplingParams(max_new_tokens=60, temperature=0.9, seed=i, ignore_eos=True) for i in range(2)]
+
+    def ring(speculative: str):
+        engine = load_engine(model_dir("gemma3"), EngineConfig(speculative=speculative, **settings))
+        engine.executor.reads_cache &= kernel  # False: torch's attention over the ring's mask, as on CUDA
+        return engine
+
+    unchanged = ring("off")
+    plain, _, _, plain_steps = run(unchanged, PROMPTS, params)
+    drafting = drafting_always(ring("ngram"))
+    assert drafting.speculation["method"] == "ngram"
+    assert drafting.cache.ring_capacity == unchanged.cache.ring_capacity + 3 == 4 + 3
+    got, _, drafts, _ = run(drafting, PROMPTS, params)
+    assert got == plain and sum(d.proposed for ds in drafts for d in ds) > 0
+    vocab = unchanged.model.config.vocab_size
+    wrong = ring("ngram")
+    monkeypatch.setattr(wrong, "_draft", lambda request, threshold: ("ngram", [(request.output_ids[-1] * 7 + j) % vocab
+                                                                              for j in range(1, 4)]))
+    assert run(wrong, PROMPTS, params)[0] == plain
+    right = ring("ngram")
+    answers = {tuple(p): a for p, a in zip(PROMPTS, plain)}
+    monkeypatch.setattr(right, "_draft", lambda request, threshold: (
+        "ngram", answers[tuple(request.prompt_ids)][len(request.output_ids): len(request.output_ids) + 3] or None))
+    got, _, drafts, steps = run(right, PROMPTS, params)
+    assert got == plain and steps <= plain_steps // 3
+    assert all(d.accepted == d.proposed for ds in drafts for d in ds)
+
+
+def test_a_slot_whose_ring_took_drafts_is_reused_only_where_it_lost_nothing(model_dir, monkeypatch):
+    """A request that stops at a token drafts were verified beside leaves their K/V past its length: at positions
+    7..9 of a ring of 7 (W = 4, K = 3), on the entries of positions 0..2. Its slot, holding 7 positions (more
+    than W), is then reused only whole: a request sharing 3 of them gets the log-probabilities of an engine that
+    never drafted."""
+    settings = dict(device="cpu", dtype="float32", max_batch_size=1, max_seq_len=64, seed=0)
+    first, second = [5, 6, 7, 8, 9, 10], [5, 6, 7, 30, 31]
+    fresh = load_engine(model_dir("gemma3"), EngineConfig(**settings))
+    greedy = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, top_logprobs=1)
+    sampled = SamplingParams(max_new_tokens=20, temperature=1.0, seed=2, ignore_eos=True)
+    (answer,), _, _, _ = run(fresh, [first], [sampled])
+    assert answer[1] != answer[0]
+    stopping = replace(sampled, stop_token_ids=(answer[1],))  # the first decode step's token ends it
+    drafting = load_engine(model_dir("gemma3"), EngineConfig(speculative="ngram", **settings))
+    vocab = drafting.model.config.vocab_size
+    monkeypatch.setattr(drafting, "_draft", lambda request, threshold: ("ngram", [(request.output_ids[-1] * 7 + j) % vocab
+                                                                                 for j in range(1, 4)]))
+    (stopped,), _, (drafts,), _ = run(drafting, [first], [stopping])
+    assert stopped == answer[:2] and drafts[0].proposed == 3  # the step at position 6 verified drafts at 7..9
+    _, (got,), _, _ = run(drafting, [second], [greedy])
+    _, (want,), _, _ = run(fresh, [second], [greedy])
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-5)
 
 
 def test_engine_config_checks_the_speculative_settings():

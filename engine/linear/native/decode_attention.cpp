@@ -3,7 +3,9 @@
 // for each row r and query head i, g = h_q / h_kv query heads per K/V head (the Hugging Face order).
 // Position p is stored at entry p mod C of a layer of C entries per slot (C = T: every position has its own; a
 // sliding layer may hold only its window, a ring). keys(r), for p = positions[r] and a window W (0: none):
-// entries max(0, p - W + 1)..p while p < C, else all C entries (a ring holds exactly the window's keys: C <= W).
+// entries max(0, p - W + 1)..p while p < C; past that, in a ring, all C entries where it holds exactly the
+// window's keys (C <= W), else (C > W: it also holds the positions a step verifying drafts writes past its newest
+// token) the W entries of positions p - W + 1..p, which wrap around the ring's end at most once.
 //
 // A compiled decode step otherwise gathers each row's keys out of the cache, or loops over them in a form that
 // reads them more than once; at long contexts (hundreds of keys and more) that, not the weights, is most of a
@@ -127,18 +129,32 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const int64_t* slot = slot_index.data_ptr<int64_t>();
   const int64_t* position = positions.data_ptr<int64_t>();
-  // Row r's chunks are first[r]..first[r+1] - 1, of length[r] keys each (its last one shorter): as few as
-  // chunks of at most kChunk allow, and as even as they can be, so that the threads' shares are too.
-  std::vector<int64_t> first(b + 1, 0), length(b), lowest(b), count(b);
+  // Row r's keys are one run of entries, or two where a ring's window wraps around its end. Each run is cut into
+  // as few chunks as chunks of at most kChunk allow, as even as they can be, so that the threads' shares are too.
+  // Row r's chunks are first[r]..first[r+1] - 1; chunk c reads entries chunk_begin[c]..chunk_end[c] - 1.
+  std::vector<int64_t> first(b + 1, 0), chunk_begin, chunk_end;
+  auto add_run = [&](int64_t lowest, int64_t count) {
+    const int64_t chunks = (count + kChunk - 1) / kChunk, length = (count + chunks - 1) / chunks;
+    for (int64_t c = 0; c < chunks; ++c) {
+      chunk_begin.push_back(lowest + c * length);
+      chunk_end.push_back(std::min(lowest + (c + 1) * length, lowest + count));
+    }
+  };
   for (int64_t r = 0; r < b; ++r) {
     const int64_t p = position[r];
-    TORCH_CHECK(0 <= slot[r] && slot[r] < slots && 0 <= p && (p < capacity || (window > 0 && capacity <= window)),
-                "slot_index and positions must fall inside the cache (past its end only in a ring of the window)");
-    lowest[r] = p < capacity && window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-    count[r] = p < capacity ? p + 1 - lowest[r] : capacity;
-    const int64_t chunks = (count[r] + kChunk - 1) / kChunk;
-    length[r] = (count[r] + chunks - 1) / chunks;
-    first[r + 1] = first[r] + chunks;
+    TORCH_CHECK(0 <= slot[r] && slot[r] < slots && 0 <= p && (p < capacity || window > 0),
+                "slot_index and positions must fall inside the cache (past its end only in a ring)");
+    if (p < capacity) {
+      const int64_t lowest = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      add_run(lowest, p + 1 - lowest);
+    } else if (capacity <= window) {
+      add_run(0, capacity);  // every entry holds one of the window's keys
+    } else {
+      const int64_t start = (p - window + 1) % capacity, head = std::min(window, capacity - start);
+      add_run(start, head);
+      if (head < window) add_run(0, window - head);  // the rest of the window, from the ring's first entry
+    }
+    first[r + 1] = static_cast<int64_t>(chunk_begin.size());
   }
   std::vector<int64_t> row_of(first[b]);
   for (int64_t r = 0; r < b; ++r) std::fill(row_of.begin() + first[r], row_of.begin() + first[r + 1], r);
@@ -152,8 +168,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     Scratch scratch(g, d);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t chunk = task / h_kv, head = task % h_kv, r = row_of[chunk];
-      const int64_t begin = lowest[r] + (chunk - first[r]) * length[r];
-      const int64_t end = std::min(begin + length[r], lowest[r] + count[r]);
+      const int64_t begin = chunk_begin[chunk], end = chunk_end[chunk];
       for (int64_t h = 0; h < g; ++h) {
         const Q* qh = q_data + r * q.stride(0) + (head * g + h) * q.stride(1);
         for (int64_t j = 0; j < d; ++j) scratch.queries[h * d + j] = to_float(qh[j]) * scale;
