@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     perplexity.add_argument("--gguf", type=Path, required=True, help="the GGUF file both sides read")
     perplexity.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-perplexity and llama-tokenize")
     perplexity.add_argument("--ctx", type=int, default=128, help="tokens per chunk (llama-perplexity's -c)")
+    perplexity.add_argument("--text", type=Path, help="a text file to score in place of the built-in paragraphs "
+                                                      "(more tokens, a steadier perplexity)")
 
     args = parser.parse_args(argv)
     if args.threads:

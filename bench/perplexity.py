@@ -124,16 +124,18 @@ def run(args: argparse.Namespace) -> dict:
 
     threads = args.threads or torch.get_num_threads()
     tokenizer = Tokenizer.from_dir(resolve_model(str(args.gguf), progress=False))
-    ids = tokenizer.encode(TEXT)
-    bos = ids[0] if len(ids) > len(tokenizer.encode(TEXT, add_special_tokens=False)) else None
+    source = args.text.read_text() if args.text else TEXT
+    ids = tokenizer.encode(source)
+    bos = ids[0] if len(ids) > len(tokenizer.encode(source, add_special_tokens=False)) else None
     if len(ids) < 2 * args.ctx:
         raise SystemExit(f"the text is {len(ids)} tokens: llama-perplexity needs at least {2 * args.ctx} for --ctx {args.ctx}")
-    payload = {"machine": machine(), "threads": threads, "file": args.gguf.name, "ctx": args.ctx, "tokens": len(ids),
+    payload = {"machine": machine(), "threads": threads, "file": args.gguf.name, "ctx": args.ctx,
+               "text": args.text.name if args.text else "the built-in paragraphs", "tokens": len(ids),
                "chunks": len(ids) // args.ctx, "kvserve": kvserve_scores(args.gguf, ids, args.ctx, bos)}
     if args.llama_bin:
         with tempfile.TemporaryDirectory() as scratch:
             text = Path(scratch) / "text.txt"
-            text.write_text(TEXT)
+            text.write_text(source)
             tokenize = args.llama_bin / "llama-tokenize"
             if tokenize.exists():
                 payload["same_tokens"] = llama_tokens(tokenize, args.gguf, text) == ids
@@ -159,7 +161,7 @@ def rendered(payload: dict) -> str:
         versus = "llama.cpp not run"
     same = {True: "the same on both sides", False: "NOT the same on both sides", None: "not compared"}[
         payload.get("same_tokens")]
-    return (f"{machine_line(payload['machine'])}, {payload['threads']} threads\n\n{payload['file']}: {payload['tokens']} "
-            f"tokens ({same}), {payload['chunks']} chunks of {payload['ctx']}, the second half of each scored; {versus}\n\n"
+    return (f"{machine_line(payload['machine'])}, {payload['threads']} threads\n\n{payload['file']}, {payload['text']}: "
+            f"{payload['tokens']} tokens ({same}), {payload['chunks']} chunks of {payload['ctx']}, the second half of each scored; {versus}\n\n"
             + markdown_table(["", "perplexity", "the file's weights in float32", "KL divergence from float32",
                               "same top token"], rows))

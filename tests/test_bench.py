@@ -147,9 +147,14 @@ def test_perplexity_chunks_the_text_as_llama_perplexity_does():
 def test_perplexity_bench_scores_a_gguf_against_its_own_weights_in_float32(tmp_path, tiny_dir):
     from tests.test_gguf import write_gguf
 
+    from bench.perplexity import TEXT
+    from engine.tokenizer import Tokenizer
+
     write_gguf(tiny_dir, tmp_path / "tiny.gguf")
-    bench(tmp_path, "perplexity", "--gguf", str(tmp_path / "tiny.gguf"), "--ctx", "32")
+    (tmp_path / "long.txt").write_text(TEXT * 2)  # a text of one's own: more tokens, the same chunking
+    bench(tmp_path, "perplexity", "--gguf", str(tmp_path / "tiny.gguf"), "--ctx", "32", "--text", str(tmp_path / "long.txt"))
     payload = json.loads((tmp_path / "perplexity.json").read_text())
+    assert payload["text"] == "long.txt" and payload["tokens"] == len(Tokenizer.from_dir(tiny_dir).encode(TEXT * 2))
     assert payload["chunks"] == payload["tokens"] // 32 >= 2
     scores = payload["kvserve"]
     assert scores["perplexity"] > 1 and scores["float32 perplexity"] > 1
