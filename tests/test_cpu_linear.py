@@ -37,7 +37,9 @@ def test_a_planned_model_keeps_its_parameters(make_engine, model_dir):
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, (CpuLinear, PackedLinear))} <= set(model.state_dict())
     assert model.lm_head.weight is model.embed_tokens.weight  # tied embeddings stay one tensor
-    assert [d.name for d in model.plan] == [n for n, m in model.named_modules() if isinstance(m, (CpuLinear, PackedLinear))]
+    # one decision per matrix: the embedding's (what its lookups read), then every product's
+    assert [d.name for d in model.plan] == ["embed_tokens"] + [
+        n for n, m in model.named_modules() if isinstance(m, (CpuLinear, PackedLinear))]
 
 
 @pytest.mark.skipif(not packs_bfloat16(), reason="oneDNN has no native bfloat16 products on this CPU")
