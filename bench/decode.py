@@ -163,7 +163,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def matmul_floor(model: torch.nn.Module, repeats: int, rows: int = 1) -> Timing:
     """One decode step's matrix products alone for `rows` sequences, back to back: the lower bound of a step with
     these kernels."""
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype  # the blocks' dtype (the embedding may be codes)
     layers = projections(model, rows)
     shapes = [(m.in_features, getattr(m, "compute_dtype", dtype)) for m in layers]  # inputs as each kernel takes them
     inputs = {shape: torch.randn(rows, shape[0], dtype=shape[1]) for shape in shapes}
