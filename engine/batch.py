@@ -118,6 +118,7 @@ class DecodeBatch:
     positions: torch.Tensor = field(init=False)
     mask: torch.Tensor | None = field(init=False)
     _ring_entries: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
+    _ring_masks: dict[tuple[int, int], torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slot_index = torch.tensor(self.slots, device=self.device)
@@ -141,6 +142,13 @@ class DecodeBatch:
             self._ring_entries[capacity] = self.positions[:, 0] % capacity
         return self._ring_entries[capacity]
 
+    def ring_mask(self, capacity: int, window: int, lookahead: int) -> torch.Tensor:
+        """(b, 1, 1, C): the entries of each row's window in a ring with a lookahead; once per step, not per layer."""
+        if (capacity, window) not in self._ring_masks:
+            readable = ring_readable(self.positions, capacity, window, lookahead)
+            self._ring_masks[capacity, window] = readable[:, None, None, :]
+        return self._ring_masks[capacity, window]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                window: int | None) -> torch.Tensor:
         """Write k, v (b, h_kv, 1, d) at each slot's position (a ring: at position mod C); attend q (b, h_q, 1, d)
@@ -156,7 +164,7 @@ class DecodeBatch:
         if cache.ring:  # the entries of each row's window, of the first min(kv_len, C) (later ones unwritten)
             n = min(self.kv_len, capacity)
             if cache.lookahead:  # a ring with a lookahead: it also holds keys older than the window, or drafts
-                mask = ring_readable(self.positions, capacity, window, cache.lookahead)[:, None, None, :n]  # (b, 1, 1, n)
+                mask = self.ring_mask(capacity, window, cache.lookahead)[..., :n]  # (b, 1, 1, n)
             else:  # entry i < C holds a key the row may read iff i <= its position: the first C of the mask
                 mask = None if self.mask is None else self.mask[..., :n]
             return grouped_attention(q, cache.keys[rows, :, :n], cache.values[rows, :, :n], mask)

@@ -119,7 +119,6 @@ class Engine:
             )
         # Speculative decoding verifies a request's drafts as rows of its slot at the positions after its newest
         # token: a ring (a sliding layer that keeps only its window) then holds K more entries than its window.
-        self.speculative = config.speculative
         drafts = config.num_speculative_tokens if self.speculative != "off" else 0
         slots = self._slots(model_config, max_seq_len, drafts)
         self.cache = KVCache(model_config, slots, max_seq_len, self.device, self.dtype, config.full_windows, drafts)
@@ -371,6 +370,11 @@ class Engine:
     def model_config(self):
         """The model's architecture (a frozen ModelConfig)."""
         return self.model.config
+
+    @property
+    def speculative(self) -> str:
+        """The speculative decoding method: the config's (every cache verifies drafts, rings with their lookahead)."""
+        return self.config.speculative
 
     @property
     def speculation(self) -> dict:

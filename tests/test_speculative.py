@@ -38,6 +38,14 @@ def drafting_always(engine):
     return engine
 
 
+def drafting_wrong(engine, monkeypatch):
+    """A test hook in place of the drafters: each step guesses 3 tokens the sampler never picks here."""
+    vocab = engine.model.config.vocab_size
+    monkeypatch.setattr(engine, "_draft", lambda request, threshold: (
+        "ngram", [(request.output_ids[-1] * 7 + j) % vocab for j in range(1, 4)]))
+    return engine
+
+
 def run(engine, prompts, params):
     """Every request to its end through Engine.step; (output ids by request, drafts reported by request, steps)."""
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -151,11 +159,7 @@ def test_sampled_penalized_and_stopped_outputs_and_logprobs_are_unchanged_in_a_m
 def test_drafts_that_are_always_wrong_or_always_right_change_nothing(model_dir, monkeypatch):
     params = [SamplingParams(max_new_tokens=30, temperature=0.9, seed=i) for i in range(len(PROMPTS))]
     plain, _, _, plain_steps = run(engine_for(model_dir), PROMPTS, params)
-    wrong = engine_for(model_dir, "ngram")
-    vocab = wrong.model.config.vocab_size
-    # A test hook in place of the drafters: each step guesses tokens the sampler never picks here.
-    monkeypatch.setattr(wrong, "_draft", lambda request, threshold: ("ngram", [(request.output_ids[-1] * 7 + j) % vocab
-                                                                              for j in range(1, 4)]))
+    wrong = drafting_wrong(engine_for(model_dir, "ngram"), monkeypatch)
     got, _, drafts, _ = run(wrong, PROMPTS, params)
     assert got == plain and sum(d.proposed for ds in drafts for d in ds) > 0
     right = engine_for(model_dir, "ngram")
@@ -227,11 +231,7 @@ def test_sliding_window_rings_hold_the_drafts_and_change_nothing(model_dir, monk
     assert drafting.cache.ring_capacity == unchanged.cache.ring_capacity + 3 == 4 + 3
     got, _, drafts, _ = run(drafting, PROMPTS, params)
     assert got == plain and sum(d.proposed for ds in drafts for d in ds) > 0
-    vocab = unchanged.model.config.vocab_size
-    wrong = ring("ngram")
-    monkeypatch.setattr(wrong, "_draft", lambda request, threshold: ("ngram", [(request.output_ids[-1] * 7 + j) % vocab
-                                                                              for j in range(1, 4)]))
-    assert run(wrong, PROMPTS, params)[0] == plain
+    assert run(drafting_wrong(ring("ngram"), monkeypatch), PROMPTS, params)[0] == plain
     right = ring("ngram")
     answers = {tuple(p): a for p, a in zip(PROMPTS, plain)}
     monkeypatch.setattr(right, "_draft", lambda request, threshold: (
@@ -254,10 +254,7 @@ def test_a_slot_whose_ring_took_drafts_is_reused_only_where_it_lost_nothing(mode
     (answer,), _, _, _ = run(fresh, [first], [sampled])
     assert answer[1] != answer[0]
     stopping = replace(sampled, stop_token_ids=(answer[1],))  # the first decode step's token ends it
-    drafting = load_engine(model_dir("gemma3"), EngineConfig(speculative="ngram", **settings))
-    vocab = drafting.model.config.vocab_size
-    monkeypatch.setattr(drafting, "_draft", lambda request, threshold: ("ngram", [(request.output_ids[-1] * 7 + j) % vocab
-                                                                                 for j in range(1, 4)]))
+    drafting = drafting_wrong(load_engine(model_dir("gemma3"), EngineConfig(speculative="ngram", **settings)), monkeypatch)
     (stopped,), _, (drafts,), _ = run(drafting, [first], [stopping])
     assert stopped == answer[:2] and drafts[0].proposed == 3  # the step at position 6 verified drafts at 7..9
     _, (got,), _, _ = run(drafting, [second], [greedy])
