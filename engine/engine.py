@@ -511,8 +511,7 @@ class Engine:
         with the rows that have none). Without drafts this step runs as compiled (or captured)."""
         if self.speculative == "off":
             return self._isolated(self._decode, requests)
-        threshold = self.step_costs.threshold(len(requests))
-        drafts = {r.request_id: d for r in requests if (d := self._draft(r, threshold)) is not None}
+        drafts = self._drafts(requests)
         started = time.perf_counter()
         if not drafts:
             events = self._isolated(self._decode, requests)
@@ -522,6 +521,12 @@ class Engine:
         rows = len(requests) + sum(len(tokens) for _, tokens in drafts.values())
         self.step_costs.observe(rows, time.perf_counter() - started)
         return self._report_drafts(events, {r.request_id: r for r in requests}, drafts)
+
+    def _drafts(self, requests: list[Request]) -> dict[str, tuple[str, list[int]]]:
+        """Each request's (method, draft tokens), for those with any: how many pay follows this process's own
+        timings (StepCosts), so under tensor parallelism rank 0 decides them and the other ranks take its."""
+        threshold = self.step_costs.threshold(len(requests))
+        return {r.request_id: d for r in requests if (d := self._draft(r, threshold)) is not None}
 
     def _report_drafts(self, events: list[TokenEvent | RequestFailed], requests: dict[str, Request],
                        drafts: dict[str, tuple[str, list[int]]]) -> list[TokenEvent | RequestFailed]:

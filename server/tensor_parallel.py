@@ -4,7 +4,9 @@ Every rank holds a full engine on its shard (engine/tensor_parallel.py). Rank 0'
 always; each call that changes an engine's state (add a request, abort one, step) is first broadcast to the
 workers, which make the same call on theirs. Same calls in the same order, same seed: every rank's scheduler
 and sampler decide the same, so the collectives inside the model line up (gpt-fast's scheme; vLLM's
-multiprocessing executor broadcasts each step's inputs the same way).
+multiprocessing executor broadcasts each step's inputs the same way). The one thing a rank would decide from its
+own timings, how many drafts each request's step verifies (speculative decoding), rank 0 decides and sends within
+the step.
 
 Two groups: the model's (NCCL on GPUs, one per rank; gloo on the CPU), whose collectives time out after
 --collective-timeout (a stuck peer), and the commands' (gloo), which waits as long as the server is idle. On one machine rank 0 spawns the workers and watches
@@ -143,6 +145,13 @@ class LeaderEngine(Engine):
         self.channel.send(Command("step").encode())
         return super().step()
 
+    def _drafts(self, requests):
+        """The step's drafts, decided here (by rank 0's timings) and sent to the other ranks, which verify the
+        same rows: every rank's forward must hold the same positions for the collectives inside it to line up."""
+        drafts = super()._drafts(requests)
+        self.channel.send({"drafts": drafts})
+        return drafts
+
     def close(self) -> None:
         try:
             self.channel.send(Command("stop").encode())  # the workers leave their loops and exit 0
@@ -156,6 +165,19 @@ class LeaderEngine(Engine):
     @property
     def tensor_parallel_size(self) -> int:
         return self.world
+
+
+class FollowerEngine(Engine):
+    """A worker's engine: each step's drafts (speculative decoding) are rank 0's, received, not its own."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig, channel: Channel):
+        super().__init__(model, tokenizer, config)
+        self.channel = channel
+
+    def _drafts(self, requests):
+        # JSON made each (method, tokens) a list
+        return {request_id: (method, tokens) for request_id, (method, tokens) in
+                self.channel.receive()["drafts"].items()}
 
 
 def follow(engine: Engine, channel: Channel) -> None:
@@ -174,9 +196,9 @@ def follow(engine: Engine, channel: Channel) -> None:
 
 
 def engine_config(config: EngineConfig, seed: int) -> EngineConfig:
-    """Every rank's config: one seed for all (so sampling agrees), eager decode, no speculation (how many drafts a
-    step verifies follows each process's own timings, and every rank must run the same rows)."""
-    return dataclasses.replace(config, seed=seed, compile="off", speculative="off")
+    """Every rank's config: one seed for all (so sampling agrees), eager decode; speculation as configured (rank
+    0 sends each step's drafts: LeaderEngine._drafts)."""
+    return dataclasses.replace(config, seed=seed, compile="off")
 
 
 def threads_per_rank(local_ranks: int) -> int:
@@ -237,7 +259,7 @@ def run_worker(group: Group, path: str, dtype: str) -> None:
     channel = group.join()
     config = dataclasses.replace(EngineConfig(**channel.receive()), device=group.rank_device)
     model, tokenizer = load_shard(path, group.rank_device, dtype, config.quantize, Shard(group.rank, group.world))
-    engine = Engine(model, tokenizer, config)
+    engine = FollowerEngine(model, tokenizer, config, channel)
     log.info("rank %d of %d loaded its shard", group.rank, group.world)
     try:
         follow(engine, channel)

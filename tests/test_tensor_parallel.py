@@ -13,6 +13,7 @@ import httpx
 import pytest
 from gguf import GGMLQuantizationType
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
@@ -26,6 +27,7 @@ from engine.tensor_parallel import Shard, cpu_group, shard_model
 from weights.loading import load_shard
 from engine.tokenizer import Tokenizer
 from httpx_sse import connect_sse
+from server.tensor_parallel import Channel, FollowerEngine, LeaderEngine, follow
 from tests.server_harness import start_subprocess
 from tests.test_gguf import write_gguf
 from weights.checkpoint import load_checkpoint
@@ -33,6 +35,7 @@ from weights.gguf_file import import_gguf
 from weights.loading import load_engine
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was"]
+REPEATING = ["a b c a b c a b c a b", "one two one two one"]  # prompts whose n-grams recur: drafts to verify
 SETTINGS = dict(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, compile="off", seed=0)
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -71,6 +74,36 @@ def test_two_ranks_compute_what_one_computes(model_dir, tmp_path, variant):
         kv_heads = max(config.num_kv_heads // 2, 1)
         assert got["kv_heads"] == kv_heads
         assert got["cache_bytes"] == whole.cache.capacity_bytes * kv_heads // config.num_kv_heads
+
+
+def run_speculating_rank(rank: int, world: int, path: str, port: int, out: str) -> None:
+    """One rank of a speculating pair: rank 0 a LeaderEngine that drafts on every step it can, rank 1 a
+    FollowerEngine following it over the commands' channel, as the server's ranks do."""
+    torch.set_num_threads(1)
+    with cpu_group(rank, world, port):
+        config, state = load_checkpoint(Path(path), torch.float32)
+        model = shard_model(config, state, Shard(rank, world), torch.device("cpu"))
+        channel = Channel(dist.new_group(backend="gloo"), send_timeout=60)
+        settings = EngineConfig(**SETTINGS, speculative="ngram")
+        tokenizer = Tokenizer.from_dir(Path(path))
+        if rank == 0:
+            engine = LeaderEngine(model, tokenizer, settings, channel, world)
+            engine.step_costs.threshold = lambda batch: 0.0  # every draft is verified, whatever this machine's timings
+            tokens = [c.output_ids for c in engine.generate(REPEATING, GREEDY)]
+            engine.close()
+            Path(f"{out}/leader.json").write_text(json.dumps({"tokens": tokens, "drafts": engine.draft_totals}))
+        else:
+            follow(FollowerEngine(model, tokenizer, settings, channel), channel)
+    os._exit(0)  # as run_rank
+
+
+def test_two_ranks_verify_rank_0s_drafts_and_answer_as_one_process_without_them(model_dir, tmp_path):
+    path = model_dir("gqa")
+    mp.spawn(run_speculating_rank, args=(2, str(path), free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = json.loads((tmp_path / "leader.json").read_text())
+    plain = load_engine(path, EngineConfig(**SETTINGS))
+    assert got["tokens"] == [c.output_ids for c in plain.generate(REPEATING, GREEDY)]
+    assert got["drafts"][0] > 0  # drafts were verified, the same rows on both ranks
 
 
 def config_of(heads: int, kv_heads: int, intermediate: int = 128) -> ModelConfig:
@@ -116,7 +149,8 @@ def worker_pids(server_pid: int) -> list[int]:
 
 def test_a_server_over_two_ranks_answers_as_one_process_does(model_dir, tmp_path):
     path, port = model_dir("gqa"), free_port()
-    process, lines = tensor_parallel_server(path, port, "--max-seq-len", "64", TMPDIR=str(tmp_path))
+    process, lines = tensor_parallel_server(path, port, "--max-seq-len", "64", "--speculative", "auto",
+                                            TMPDIR=str(tmp_path))
     try:
         assert len(list(tmp_path.glob("kvserve-tp-*/rendezvous"))) == 1  # where the ranks met
         url = f"http://127.0.0.1:{port}"
@@ -126,6 +160,7 @@ def test_a_server_over_two_ranks_answers_as_one_process_does(model_dir, tmp_path
         info = httpx.get(f"{url}/info").json()
         # each rank's cache: h_kv/2 heads; /info gives one rank's and the total
         assert info["kv_cache"]["h_kv"] == 1 and info["tensor_parallel"]["size"] == 2
+        assert info["speculative_decoding"]["method"] == "auto"  # and the answers below are those without it
         per_rank = whole.cache.capacity_bytes // 2
         assert info["tensor_parallel"] == {"size": 2, "kv_cache_bytes_per_rank": per_rank,
                                            "kv_cache_bytes_total": 2 * per_rank}
