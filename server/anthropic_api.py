@@ -41,10 +41,12 @@ class MessageReply:
 
     @staticmethod
     def usage(gen: generation.Generation) -> dict:
-        """Anthropic counts prompt tokens read from its cache apart from the rest: here those whose K/V a slot kept."""
-        cached = gen.reused_prompt_tokens
+        """Anthropic counts prompt tokens read from its cache apart from the rest: here those whose K/V a slot kept.
+        Speculative decoding's drafts (verified, and kept) are an extension, named as in TGI's details."""
+        cached, (proposed, accepted) = gen.reused_prompt_tokens, gen.draft_tokens
         return {"input_tokens": len(gen.stream.prompt_ids) - cached, "output_tokens": len(gen.events),
-                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
+                "draft_tokens": proposed, "accepted_draft_tokens": accepted}
 
     def blocks(self, text: str) -> list[dict]:
         """The reply's content blocks: its reasoning, its text (unless it would be empty beside them), a tool_use

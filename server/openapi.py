@@ -77,7 +77,8 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
                                                 obj({"type": {"const": "tool_use"}, "id": STR, "name": STR,
                                                      "input": {"type": "object"}})]}),
                     "stop_reason": STR, "stop_sequence": MAYBE_STR,
-                    "usage": obj({"input_tokens": INT, "output_tokens": INT, "cache_read_input_tokens": INT})}),
+                    "usage": obj({"input_tokens": INT, "output_tokens": INT, "cache_read_input_tokens": INT,
+                                  "draft_tokens": INT, "accepted_draft_tokens": INT})}),
     "TokenCount": obj({"input_tokens": INT}),
     "Response": obj({"id": STR, "object": {"const": "response"}, "created_at": INT, "status": STR, "model": STR,
                      "output": array({"anyOf": [

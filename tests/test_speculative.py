@@ -292,6 +292,7 @@ def test_the_server_reports_drafts_and_answers_as_without_them(model_dir):
             answers[speculative] = (generated["generated_text"], chatted["choices"][0]["message"]["content"],
                                     responded["output_text"], messaged["content"][0]["text"])
             responses_drafts = responded["usage"]["output_tokens_details"]
+            messages_usage = messaged["usage"]
             info = client.get("/info").json()["speculative_decoding"]
             metrics = client.get("/metrics").text
             details, usage = generated["details"], chatted["usage"]["completion_tokens_details"]
@@ -301,6 +302,8 @@ def test_the_server_reports_drafts_and_answers_as_without_them(model_dir):
     assert details["draft_tokens"] >= details["accepted_draft_tokens"] > 0
     assert usage["accepted_prediction_tokens"] > 0 and usage["rejected_prediction_tokens"] >= 0
     assert responses_drafts["accepted_prediction_tokens"] + responses_drafts["rejected_prediction_tokens"] > 0
+    assert messages_usage["draft_tokens"] >= messages_usage["accepted_draft_tokens"]
+    assert messages_usage["draft_tokens"] > 0
 
     def total(name: str) -> float:
         return sum(float(v) for v in re.findall(rf"^{name}_total{{[^}}]*}} (\S+)$", metrics, re.M))
