@@ -242,6 +242,8 @@ def test_a_k_quant_gguf_is_served_as_stored_and_matches_transformers(model_dir, 
     assert types["lm_head"]["layer"] in (head, f"TwoForms({head}, CpuLinear)")
     if kernels and types["lm_head"]["layer"] == head:
         assert types["embed_tokens"]["layer"] == "CodesEmbedding"
+    if mix == "Q4_K":  # one type, one layer class throughout (checked above for gate_up)
+        assert types["layers.*.mlp.down_proj"]["layer"] == q4_k
     elif kernels:  # Q4_K q and k above Q6_K v: a stack of the two, each as stored on its own kernel
         assert types["layers.*.self_attn.qkv_proj"]["layer"] == "StackedLinear"
         assert types["layers.*.self_attn.qkv_proj"]["reason"] == (
