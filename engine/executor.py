@@ -33,6 +33,7 @@ import torch
 from engine.models.attention import broadcast_attention, grouped_attention
 from engine.batch import DecodeBatch
 from engine.captured_steps import CapturedSteps
+from engine.heap import release_freed_memory
 from engine.kv_cache import KVCache, LayerCache, ring_readable
 from engine.models.model import Transformer
 from engine.linear.native import kernels_run_on
@@ -224,6 +225,7 @@ class DecodeExecutor:
             log.info("compiled decode step for %s in %.1f s", self.describe(name), time.perf_counter() - started)
         log.info("decode compiled for every batch size: %d graphs in %.1f s", len(self.graphs),
                  time.perf_counter() - first)
+        release_freed_memory()  # the compile's temporaries
 
     def _scratch_step(self, batch_size: int, dynamic_batch: bool) -> tuple[torch.Tensor, ...]:
         """step()'s arguments for batch_size rows on a scratch cache of the live cache's layout, its sizes marked dynamic

@@ -339,6 +339,6 @@ def test_loading_hands_the_heap_it_freed_back_to_the_system():
     """glibc keeps what loading's temporaries freed (about the model's size again) unless asked to give it back."""
     import platform
 
-    from weights.loading import release_freed_memory
+    from engine.heap import release_freed_memory
 
     assert release_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")

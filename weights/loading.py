@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 from engine import Engine, EngineConfig, Tokenizer
 from engine.device import resolve_device, resolve_dtype
+from engine.heap import release_freed_memory
 from engine.linear.planner import Planner
 from engine.models.model import Transformer, build_model
 from engine.tensor_parallel import Shard, shard_model
@@ -30,18 +30,6 @@ def load_model(path: str | Path, config: EngineConfig = EngineConfig()) -> Trans
     del state  # the checkpoint's tensors, where the layers repacked them
     release_freed_memory()
     return model
-
-
-def release_freed_memory() -> bool:
-    """Hand the heap that loading freed back to the system: unpacking and repacking a GGUF's blocks goes through
-    temporaries about the model's size, and parsing a tokenizer through its JSON, which glibc's allocator keeps for
-    reuse (a 1B Q4_K_M model's server held 2.4 GB resident instead of 1.4; Gemma 3's tokenizer of 262,144 tokens
-    and 514,847 merges, 290 MB where 96 remain). Whether there was an allocator to ask (glibc's malloc_trim)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # 1 if memory was released, 0 if there was none to release
-        return True
-    except (OSError, AttributeError):  # not glibc
-        return False
 
 
 def load_shard(path, device: str, dtype: str, quantize: str, shard: Shard, group: dist.ProcessGroup | None = None
