@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> dict:
 
     plain, fast = engine("off"), engine(args.speculative)
     chosen = tasks()
-    prompts = {name: plain.tokenizer.encode_chat([{"role": "user", "content": text}], parse_special=False)
-               for name, (text, _) in chosen.items()}
+    chat = plain.tokenizer.chat_template is not None  # a base model (gemma-3-270m) continues the text itself
+    prompts = {name: plain.tokenizer.encode_chat([{"role": "user", "content": text}], parse_special=False) if chat
+               else plain.tokenizer.encode(text) for name, (text, _) in chosen.items()}
 
     def params(name: str) -> SamplingParams:
         return SamplingParams(**({"max_new_tokens": max_tokens, "temperature": 0} | chosen[name][1]))
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
                                                 "--spec-ngram-simple-size-m", str(args.num_speculative_tokens))
             with llama_server(args.llama_bin / "llama-server", gguf, threads, extra=extra) as url:
                 reference[flags] = {name: llama_rate(url, text, chosen[name][1], max_tokens,
-                                                     1 if args.quick else args.repeats)
+                                                     1 if args.quick else args.repeats, chat)
                                     for name, (text, _) in chosen.items()}
         for name in chosen:
             theirs = reference["ngram-simple"][name]
@@ -150,14 +151,20 @@ def decoded(engine, batch: list[tuple[list[int], SamplingParams]]) -> tuple[floa
     return (sum(map(len, ids)) - (len(batch) == 1)) / seconds, ids
 
 
-def llama_rate(url: str, text: str, overrides: dict, max_tokens: int, repeats: int) -> float:
-    """llama-server's decode rate on one chat request (greedy, or as the task's overrides say), the median of runs."""
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": overrides.get("temperature", 0), "seed": overrides.get("seed", 0)}
-    if "grammar" in overrides:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+def llama_rate(url: str, text: str, overrides: dict, max_tokens: int, repeats: int, chat: bool) -> float:
+    """llama-server's decode rate on one request (greedy, or as the task's overrides say), the median of runs: a
+    chat request, or for a model without a chat template the text itself to continue (its /completion)."""
+    body = {"max_tokens": max_tokens, "temperature": overrides.get("temperature", 0), "seed": overrides.get("seed", 0)}
+    if chat:
+        route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+        if "grammar" in overrides:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    else:
+        route, body["prompt"], body["n_predict"] = "/completion", text, max_tokens
+        if "grammar" in overrides:
+            body["json_schema"] = PERSON
     rates = []
     for _ in range(repeats + 1):  # the first warms it
-        timings = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()["timings"]
+        timings = httpx.post(f"{url}{route}", json=body, timeout=600).json()["timings"]
         rates.append(timings["predicted_per_second"])
     return statistics.median(rates[1:])
