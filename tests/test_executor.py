@@ -95,3 +95,46 @@ def test_compile_cache_child_fills_inductors_disk_cache(model_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled decode step for batches of 2 or more" in result.stderr
     assert any((tmp_path / "compiled").rglob("*.py"))  # inductor's generated code, for the server to find
+
+
+def test_a_row_gets_the_same_bits_alone_and_among_its_drafts_in_every_graph(model_dir, tmp_path):
+    """A Q8_0 Gemma 3 GGUF in bfloat16, compiled: a token's logits are the same bits decoded alone (the one-row
+    graph), as a later row of four in one slot (speculative decoding's verification, the many-row graph), and
+    eagerly. On gemma-3-270m its scaled embedding broke this: the many-row graph fused the bfloat16 multiply
+    into the norm after it and read the product unrounded, so a verified draft could flip a near tie (its JSON
+    task in `bench spec`). This model, of its width, kept the bits even before that fix (the fusion is inductor's
+    choice); it guards the invariant, and bench spec's "same tokens" the real model."""
+    from gguf import GGMLQuantizationType
+
+    from engine import EngineConfig
+    from tests.tiny import write_gguf_model
+    from weights.gguf_file import import_gguf
+
+    from tests.conftest import GEMMA3
+    from tests.tiny import write_model
+
+    # Gemma 3 270M's width (640), its embedding read from the tied head's Q8_0 codes
+    src = write_model(tmp_path / "src", kind="gemma3", **dict(GEMMA3, hidden_size=640, intermediate_size=256,
+                                                              query_pre_attn_scalar=16, num_hidden_layers=2,
+                                                              layer_types=["sliding_attention", "full_attention"]))
+    write_gguf_model(src, tmp_path / "q8.gguf", "gemma3", matrix_type=GGMLQuantizationType.Q8_0)
+    imported = import_gguf(tmp_path / "q8.gguf", tmp_path / "imported", progress=False)
+    engine = load_engine(imported, EngineConfig(device="cpu", dtype="bfloat16", max_batch_size=2,
+                                                           max_seq_len=64, seed=0, compile="on",
+                                                           speculative="ngram"))
+    assert engine.compile()
+    executor = engine.executor
+    graphs = dict(executor.graphs)
+    prompt = list(range(3, 13))
+    rows = [5, 17, 33, 40, 7, 21, 2, 60]  # two steps of four rows: the newest token and three drafts each
+    with torch.inference_mode():
+        engine.prompt_logits(prompt)  # the prompt's K/V in slot 0
+        for start in (0, 4):
+            positions = [len(prompt) + start + j for j in range(4)]
+            together = executor.forward(rows[start: start + 4], [0] * 4, positions)  # (4, V)
+            for mode in ("compiled", "eager"):
+                executor.graphs = graphs if mode == "compiled" else {}
+                for j, position in enumerate(positions):  # each alone, in order: it rewrites its own K/V
+                    alone = executor.forward([rows[start + j]], [0], [position])[0]
+                    assert torch.equal(alone, together[j]), (mode, start + j)
+            executor.graphs = graphs

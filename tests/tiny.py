@@ -91,10 +91,12 @@ GEMMA3_NAMES = GGUF_NAMES | {"post_attention_layernorm": "post_attention_norm",
                              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def write_gguf_model(src: Path, out_path: Path, family: str, vocabulary=None) -> None:
+def write_gguf_model(src: Path, out_path: Path, family: str, vocabulary=None, matrix_type=None) -> None:
     """The folder's Qwen3 or Gemma 3 model as an F32 GGUF, as llama.cpp's converter writes them (Gemma's norms + 1),
-    with the folder's BPE vocabulary, or what vocabulary(writer) writes."""
+    with the folder's BPE vocabulary, or what vocabulary(writer) writes; matrix_type: the matrices' type instead
+    (Q8_0, Q4_0: the gguf library's own quantizers)."""
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
+    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     config = json.loads((src / "config.json").read_text())
@@ -119,7 +121,10 @@ def write_gguf_model(src: Path, out_path: Path, family: str, vocabulary=None) ->
         array = tensor.float().numpy()
         if family == "gemma3" and name.endswith("norm.weight"):
             array = array + 1.0
-        writer.add_tensor(gguf_name(name, names), array, raw_dtype=GGMLQuantizationType.F32)
+        if matrix_type is not None and array.ndim == 2:
+            writer.add_tensor(gguf_name(name, names), quantize(array, matrix_type), raw_dtype=matrix_type)
+        else:
+            writer.add_tensor(gguf_name(name, names), array, raw_dtype=GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

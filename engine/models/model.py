@@ -43,7 +43,12 @@ class Transformer(nn.Module):
         rope = rotary.lookup(batch.positions)
         x = self.embed_tokens(tokens)
         if self.embedding_scale is not None:
-            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
+            # The product in float32, then one explicit cast: two bfloat16 (or float16) numbers multiply exactly
+            # in float32, so these are the bits of the product in the model's dtype, and the cast is a rounding
+            # every compiled graph keeps (a graph of several rows fused the dtype's multiply into the norm after
+            # it and read it unrounded: one row in many got other bits than it did alone).
+            scale = torch.tensor(self.embedding_scale, dtype=x.dtype).item()  # rounded to the dtype, as Gemma's
+            x = (x.float() * scale).to(x.dtype)
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, cache.layer(index), batch)
         return self.norm(x)
