@@ -21,8 +21,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         architecture = ARCHITECTURES[config.model_type]
-        # Gemma: sqrt(hidden) in the embedding's dtype, as its reference rounds it (None: not scaled).
-        self.embedding_scale = math.sqrt(config.hidden_size) if architecture.scaled_embedding else None
+        # Gemma: sqrt(hidden) rounded to the embedding's dtype, as its reference rounds it, by dtype (None: not
+        # scaled); rounded here, once: in a step, .item() would break the compiled graph in pieces.
+        scale = math.sqrt(config.hidden_size)
+        self.embedding_scale = {dtype: torch.tensor(scale, dtype=dtype, device="cpu").item()
+                                for dtype in (torch.float32, torch.bfloat16, torch.float16)
+                                } if architecture.scaled_embedding else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(architecture.block(config, i, architecture.norm, architecture.qk_norm)
                                     for i in range(config.num_layers))
@@ -47,8 +51,7 @@ class Transformer(nn.Module):
             # in float32, so these are the bits of the product in the model's dtype, and the cast is a rounding
             # every compiled graph keeps (a graph of several rows fused the dtype's multiply into the norm after
             # it and read it unrounded: one row in many got other bits than it did alone).
-            scale = torch.tensor(self.embedding_scale, dtype=x.dtype).item()  # rounded to the dtype, as Gemma's
-            x = (x.float() * scale).to(x.dtype)
+            x = (x.float() * self.embedding_scale[x.dtype]).to(x.dtype)
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, cache.layer(index), batch)
         return self.norm(x)
