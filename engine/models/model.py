@@ -22,7 +22,7 @@ class Transformer(nn.Module):
         self.config = config
         architecture = ARCHITECTURES[config.model_type]
         # Gemma: sqrt(hidden) rounded to the embedding's dtype, as its reference rounds it, by dtype (None: not
-        # scaled); rounded here, once: in a step, .item() would break the compiled graph in pieces.
+        # scaled); rounded here, once, not in every step.
         scale = math.sqrt(config.hidden_size)
         self.embedding_scale = {dtype: torch.tensor(scale, dtype=dtype, device="cpu").item()
                                 for dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -47,11 +47,13 @@ class Transformer(nn.Module):
         rope = rotary.lookup(batch.positions)
         x = self.embed_tokens(tokens)
         if self.embedding_scale is not None:
-            # The product in float32, then one explicit cast: two bfloat16 (or float16) numbers multiply exactly
-            # in float32, so these are the bits of the product in the model's dtype, and the cast is a rounding
-            # every compiled graph keeps (a graph of several rows fused the dtype's multiply into the norm after
-            # it and read it unrounded: one row in many got other bits than it did alone).
+            # Rounded to the dtype, as Gemma's reference rounds it, and materialized: inside one compiled graph,
+            # inductor fuses this multiply into the first norm and reads the product unrounded, even with
+            # emulate_precision_casts (the many-row graph then gave a row other bits than it got alone, and a
+            # verified draft flipped a near tie on gemma-3-270m). The break ends the first graph at x, which is
+            # then a bfloat16 tensor; eager, it does nothing.
             x = (x.float() * self.embedding_scale[x.dtype]).to(x.dtype)
+            torch._dynamo.graph_break()
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, cache.layer(index), batch)
         return self.norm(x)
