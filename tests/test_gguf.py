@@ -120,6 +120,24 @@ def test_imported_logits_equal_the_same_weights_from_safetensors(gguf_model):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_the_file_says_whether_its_head_is_tied_whatever_a_config_beside_it_says(gguf_model, tmp_path):
+    """The fixture's file has an output.weight (untied); a config.json copied beside it from a Hugging Face folder
+    that says tied must not make its embedding the head (llama.cpp reads the file's head, so does kvserve)."""
+    imported, reference, _ = gguf_model
+    folder = tmp_path / "copied-config"
+    shutil.copytree(imported, folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    for mode in ("auto", "none"):  # the head as codes of its own (the quantized path) and dense
+        served = load_engine(folder, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64, quantize=mode))
+        assert not served.model.config.tie_word_embeddings
+        assert served.model.lm_head is not served.model.embed_tokens
+    ids = [5, 17, 33, 120, 7, 250, 64]
+    torch.testing.assert_close(engine_for(folder).prompt_logits(ids), engine_for(reference).prompt_logits(ids),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_imported_folder_loads_in_transformers(gguf_model):
     from transformers import AutoModelForCausalLM
 

@@ -7,6 +7,7 @@ quantized matrices can stay quantized.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -182,7 +183,14 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     gguf = path / WEIGHTS_NAME
-    tensors = GGUFFile(gguf).tensors(progress=False, codes=codes) if gguf.is_file() else read_tensors(path)
+    if gguf.is_file():
+        file = GGUFFile(gguf)
+        tensors = file.tensors(progress=False, codes=codes)
+        # Whether the head is the embedding is the file's to say (an output.weight or none), as llama.cpp reads it:
+        # a config.json copied beside it from the Hugging Face folder may say otherwise.
+        config = replace(config, tie_word_embeddings=file.hf_config()["tie_word_embeddings"])
+    else:
+        tensors = read_tensors(path)
     if raw.get("model_type") == "gemma3":
         tensors = text_model_tensors(tensors)
     check_tensors(tensors, config, str(path))
