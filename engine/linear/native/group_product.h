@@ -30,6 +30,67 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;  // output rows per tile
 constexpr int kRowsPerPass = 4;
 
+// Inputs 16 at a time, as float32 (bfloat16 widened: it is float32's upper half): what the input rows' quantization
+// (QuantizedRows, QuantizedSuperBlocks) is made of. round_codes() gives nearbyint's codes (MXCSR's mode: nearest, ties to
+// even) of the same float products, so the codes are the scalar loop's bits; sums of floats go in a fixed order, so
+// a row's are the same whatever rows come with it.
+namespace sixteen {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using Sixteen = __m512;  // 16 inputs as float32
+inline Sixteen zero() { return _mm512_setzero_ps(); }
+inline Sixteen load(const float* p) { return _mm512_loadu_ps(p); }
+inline Sixteen load(const at::BFloat16* p) {  // bfloat16 is float32's upper half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline Sixteen max_abs(Sixteen most, Sixteen v) { return _mm512_max_ps(most, _mm512_abs_ps(v)); }
+inline float largest_of(Sixteen v) { return _mm512_reduce_max_ps(v); }
+inline float sum_of(Sixteen v) { return _mm512_reduce_add_ps(v); }
+inline Sixteen add(Sixteen a, Sixteen b) { return _mm512_add_ps(a, b); }
+// The 16 codes of v·inverse into out; returns their sum.
+inline int32_t round_codes(Sixteen v, float inverse, int8_t* out) {
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inverse)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(q));
+  return _mm512_reduce_add_epi32(q);
+}
+#else
+struct Sixteen { __m256 low, high; };
+inline Sixteen zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Sixteen load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline Sixteen load(const at::BFloat16* p) { return {widen(p), widen(p + 8)}; }
+inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+inline Sixteen max_abs(Sixteen most, Sixteen v) {
+  return {_mm256_max_ps(most.low, abs8(v.low)), _mm256_max_ps(most.high, abs8(v.high))};
+}
+inline float largest_of(Sixteen v) {
+  __m256 m = _mm256_max_ps(v.low, v.high);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+inline float sum_of(Sixteen v) {
+  const __m256 m = _mm256_add_ps(v.low, v.high);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+inline Sixteen add(Sixteen a, Sixteen b) { return {_mm256_add_ps(a.low, b.low), _mm256_add_ps(a.high, b.high)}; }
+inline int32_t round_codes(Sixteen v, float inverse, int8_t* out) {
+  const __m256 k = _mm256_set1_ps(inverse);
+  const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(v.low, k)), high = _mm256_cvtps_epi32(_mm256_mul_ps(v.high, k));
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8);  // 16 int16 in order
+  const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
+  const __m256i pairs = _mm256_madd_epi16(words, _mm256_set1_epi16(1));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+#endif
+}  // namespace sixteen
+
 // The input rows, group by group: 8-bit codes x̂, their scale d, the exact sum Σ x and c·Σ x̂.
 struct QuantizedRows {
   std::vector<int8_t> codes;  // (m, in)
@@ -45,19 +106,13 @@ struct QuantizedRows {
 
   template <typename T>
   void quantize(const T* x, int32_t centre) {
+    using namespace sixteen;
     for (size_t i = 0; i < scale.size(); ++i) {
-      float v[kGroup];
-      for (int64_t j = 0; j < kGroup; ++j) v[j] = static_cast<float>(x[i * kGroup + j]);
-      float largest = 0, total = 0;
-      for (int64_t j = 0; j < kGroup; ++j) largest = std::max(largest, std::fabs(v[j])), total += v[j];
+      const Sixteen low = load(x + i * kGroup), high = load(x + i * kGroup + 16);
+      const float largest = largest_of(max_abs(max_abs(zero(), low), high));
       const float inverse = largest > 0 ? 127.f / largest : 0.f;
-      int32_t code_sum = 0;
-      for (int64_t j = 0; j < kGroup; ++j) {
-        const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
-        codes[i * kGroup + j] = q;
-        code_sum += q;
-      }
-      scale[i] = largest / 127.f, sum[i] = total, centred_sum[i] = centre * code_sum;
+      const int32_t code_sum = round_codes(low, inverse, codes.data() + i * kGroup) + round_codes(high, inverse, codes.data() + i * kGroup + 16);
+      scale[i] = largest / 127.f, sum[i] = sum_of(add(low, high)), centred_sum[i] = centre * code_sum;
     }
   }
 };

@@ -36,13 +36,14 @@ struct QuantizedSuperBlocks {
   void quantize(const T* x) {
     for (size_t b = 0; b < scale.size(); ++b) {
       const T* v = x + b * kSuperBlock;
-      Sixteen largest = zero_sixteen();
-      for (int64_t j = 0; j < kSuperBlock; j += 16) largest = max_abs(largest, load_sixteen(v + j));
-      const float most = horizontal_max(largest);
+      using namespace sixteen;
+      Sixteen largest = zero();
+      for (int64_t j = 0; j < kSuperBlock; j += 16) largest = max_abs(largest, load(v + j));
+      const float most = largest_of(largest);
       const float inverse = most > 0 ? 127.f / most : 0.f;
       for (int64_t h = 0; h < 2 * kSuperBlockGroups; ++h) {  // halves of groups: 16 inputs
         half_sum[2 * kSuperBlockGroups * b + h] =
-            static_cast<int16_t>(round_sixteen(load_sixteen(v + 16 * h), inverse, codes.data() + b * kSuperBlock + 16 * h));
+            static_cast<int16_t>(round_codes(load(v + 16 * h), inverse, codes.data() + b * kSuperBlock + 16 * h));
       }
       for (int64_t g = 0; g < kSuperBlockGroups; ++g) {
         const int64_t first = 2 * kSuperBlockGroups * b + 2 * g;
@@ -52,51 +53,6 @@ struct QuantizedSuperBlocks {
     }
   }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  using Sixteen = __m512;  // 16 inputs as float32
-  static Sixteen zero_sixteen() { return _mm512_setzero_ps(); }
-  static Sixteen load_sixteen(const float* p) { return _mm512_loadu_ps(p); }
-  static Sixteen load_sixteen(const at::BFloat16* p) {  // bfloat16 is float32's upper half
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
-  static Sixteen max_abs(Sixteen most, Sixteen v) { return _mm512_max_ps(most, _mm512_abs_ps(v)); }
-  static float horizontal_max(Sixteen v) { return _mm512_reduce_max_ps(v); }
-  // The 16 codes of v·inverse into out; returns their sum.
-  static int32_t round_sixteen(Sixteen v, float inverse, int8_t* out) {
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inverse)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(q));
-    return _mm512_reduce_add_epi32(q);
-  }
-#else
-  struct Sixteen { __m256 low, high; };
-  static Sixteen zero_sixteen() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static Sixteen load_sixteen(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static __m256 widen(const at::BFloat16* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  }
-  static Sixteen load_sixteen(const at::BFloat16* p) { return {widen(p), widen(p + 8)}; }
-  static __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
-  static Sixteen max_abs(Sixteen most, Sixteen v) {
-    return {_mm256_max_ps(most.low, abs8(v.low)), _mm256_max_ps(most.high, abs8(v.high))};
-  }
-  static float horizontal_max(Sixteen v) {
-    __m256 m = _mm256_max_ps(v.low, v.high);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-  }
-  static int32_t round_sixteen(Sixteen v, float inverse, int8_t* out) {
-    const __m256 k = _mm256_set1_ps(inverse);
-    const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(v.low, k)), high = _mm256_cvtps_epi32(_mm256_mul_ps(v.high, k));
-    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8);  // 16 int16 in order
-    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
-    const __m256i pairs = _mm256_madd_epi16(words, _mm256_set1_epi16(1));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
-  }
-#endif
 
   // Two neighbouring int16 sums as one broadcastable dword: the low half the first.
   static int32_t pair(const int16_t* sums) {
