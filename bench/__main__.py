@@ -138,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     families.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                           help="the kvserve server's --compile (timings start once its compile is done)")
 
-    quants = command("quants", help="kvserve vs llama.cpp on the same GGUF files: 1 and N streams over HTTP, llama-bench tg, "
-                                     "resident memory, the read-bandwidth floor")
+    quants = command("quants", help="kvserve vs llama.cpp on the same GGUF files: 1 and N streams over HTTP, a long prompt's "
+                                     "prefill, llama-bench tg and pp, resident memory, the read-bandwidth floor")
     quants.add_argument("--gguf", type=Path, nargs="+", required=True, help="GGUF files to serve")
     quants.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-server and llama-bench")
     quants.add_argument("--streams", type=int, nargs="+", default=[1, 4], help="concurrent streams (1 first)")
     quants.add_argument("--new-tokens", type=int, default=64)
+    quants.add_argument("--prefill-tokens", type=int, default=512, help="the long prompt whose prefill is timed")
+    quants.add_argument("--max-seq-len", type=int, default=1024,
+                        help="kvserve's positions per slot (llama-server's slots hold 1024, as here by default)")
     quants.add_argument("--repeats", type=int, default=3)
     quants.add_argument("--compile", choices=("auto", "on", "off"), default="on")
 

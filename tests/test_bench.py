@@ -162,6 +162,22 @@ def test_perplexity_bench_scores_a_gguf_against_its_own_weights_in_float32(tmp_p
     assert "llama.cpp" not in payload and "llama.cpp not run" in (tmp_path / "perplexity.md").read_text()
 
 
+def test_quants_serves_a_gguf_and_times_its_decode_streams_and_prefill(tmp_path, tiny_dir):
+    from tests.test_gguf import write_gguf
+
+    write_gguf(tiny_dir, tmp_path / "tiny.gguf")
+    bench(tmp_path, "quants", "--gguf", str(tmp_path / "tiny.gguf"), "--streams", "1", "2", "--new-tokens", "8",
+          "--repeats", "1", "--prefill-tokens", "40", "--max-seq-len", "256", "--compile", "off")
+    payload = json.loads((tmp_path / "quants.json").read_text())
+    assert payload["prefill_tokens"] == 40 and list(payload["files"]) == ["tiny.gguf"]
+    ours = payload["files"]["tiny.gguf"]["kvserve"]
+    assert ours["one"]["tokens_per_s"] > 0 and ours["2 streams"] > 0 and ours["rss"] > 0
+    # The long prompt: as many whole copies of the bench's sentence as fit in 40 tokens, after its own number.
+    assert 20 <= ours["prefill"]["prompt_tokens"] <= 48 and ours["prefill"]["seconds"] > 0
+    assert "llama-server" not in payload["files"]["tiny.gguf"]
+    assert "| tiny.gguf | kvserve |" in (tmp_path / "quants.md").read_text()
+
+
 def test_spec_keeps_every_output_of_the_default_model(tmp_path):
     bench(tmp_path, "spec", "--compile", "off")
     payload = json.loads((tmp_path / "spec.json").read_text())
