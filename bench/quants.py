@@ -57,7 +57,8 @@ def many_streams(url: str, streams: int, new_tokens: int) -> float:
 
 
 def load(url: str, args: argparse.Namespace) -> dict:
-    result = {"one": one_stream(url, PROMPT, args.new_tokens, args.repeats), "prefill": prefill(url, args.prefill_tokens)}
+    result = {"one": one_stream(url, PROMPT, args.new_tokens, args.repeats),
+              "prefill": prefill(url, args.prefill_tokens)}
     for streams in args.streams[1:]:
         result[f"{streams} streams"] = many_streams(url, streams, args.new_tokens)
     return result
@@ -145,8 +146,8 @@ def run(args: argparse.Namespace) -> dict:
         files = {label: measure(gguf, args, threads) for label, gguf in zip(labels, args.gguf)}
     finally:
         os.environ.pop("OMP_NUM_THREADS") if env is None else os.environ.update(OMP_NUM_THREADS=env)
-    payload = {"machine": machine(), "threads": threads, "read_rate": read_rate(), "prefill_tokens": args.prefill_tokens,
-               "files": files}
+    payload = {"machine": machine(), "threads": threads, "read_rate": read_rate(),
+               "prefill_tokens": args.prefill_tokens, "files": files}
     table = rendered(payload)
     write_results(args.out, "quants", payload, table)
     print(table)
