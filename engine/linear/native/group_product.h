@@ -117,8 +117,8 @@ struct QuantizedRows {
   }
 };
 
-// How far ahead of the codes being multiplied the K-quant products (super_block.h) fetch their lines into cache: the
-// hardware's prefetch alone leaves one thread's stream of codes short of the machine's read rate.
+// How far ahead of the codes being multiplied the products (run_tile, and the K-quants' in super_block.h) fetch their
+// lines into cache: the hardware's prefetch alone leaves one thread's stream of codes short of the machine's read rate.
 constexpr int64_t kPrefetchBytes = 16 * 1024;
 
 // The cache lines of [p, p + bytes), fetched ahead of their use (prefetches past the end of a buffer fault nothing).
@@ -172,8 +172,10 @@ void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = packed + g * Codes::kTileGroupBytes;
+    prefetch(group + kPrefetchBytes, Codes::kTileGroupBytes);
     Operand w[8];
-    Codes::operands(packed + g * Codes::kTileGroupBytes, 0, w);
+    Codes::operands(group, 0, w);
     __m512 s, minimum;
     load(scales, g, 0, s, minimum);
     const __m512 rest = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(Codes::kCentre)), s, minimum);
@@ -253,12 +255,15 @@ inline void load(const CentredScales& scales, int64_t g, int part, __m256& s, __
 template <typename Codes, int R, typename Scales>
 void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const QuantizedRows& x, int64_t row,
               int64_t in, float* y, int64_t out) {
-  for (int part = 0; part < kParts; ++part) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
+  __m256 acc[kParts][R];
+  for (int part = 0; part < kParts; ++part)
+    for (int r = 0; r < R; ++r) acc[part][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = packed + g * Codes::kTileGroupBytes;
+    prefetch(group + kPrefetchBytes, Codes::kTileGroupBytes);
+    for (int part = 0; part < kParts; ++part) {  // both parts while the group's lines are in cache
       Operand w[8];
-      Codes::operands(packed + g * Codes::kTileGroupBytes, part, w);
+      Codes::operands(group, part, w);
       __m256 s, minimum;
       load(scales, g, part, s, minimum);
       const __m256 rest = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(Codes::kCentre)), s, minimum);
@@ -266,12 +271,14 @@ void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const
         const int64_t rg = (row + r) * groups + g;
         const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
         const __m256i centred = group_dot<Codes>(w, codes, x.centred_sum[rg]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(x.scale[rg])), acc[r]);
-        if constexpr (!Scales::kCentred) acc[r] = _mm256_fmadd_ps(rest, _mm256_set1_ps(x.sum[rg]), acc[r]);
+        __m256& a = acc[part][r];
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(x.scale[rg])), a);
+        if constexpr (!Scales::kCentred) a = _mm256_fmadd_ps(rest, _mm256_set1_ps(x.sum[rg]), a);
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * out + 8 * part, acc[r]);
   }
+  for (int part = 0; part < kParts; ++part)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * out + 8 * part, acc[part][r]);
 }
 
 #endif
