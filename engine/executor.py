@@ -147,7 +147,8 @@ class DecodeExecutor:
         self.rows = rows or cache.slots
         self.buckets = batch_buckets(model, self.rows)
         self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready (CPU)
-        self.reads_cache = kernels_run_on(cache.device)  # attention by kvserve's kernel (CPU, where it loads)
+        # attention by kvserve's kernel (CPU, where it loads; its vectors take head widths in 8s)
+        self.reads_cache = kernels_run_on(cache.device) and cache.head_dim % 8 == 0
         self.captured: CapturedSteps | None = None  # CUDA graphs, captured as each size is first used (CUDA)
 
     @property

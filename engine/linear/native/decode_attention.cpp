@@ -10,18 +10,19 @@
 // A compiled decode step otherwise gathers each row's keys out of the cache, or loops over them in a form that
 // reads them more than once; at long contexts (hundreds of keys and more) that, not the weights, is most of a
 // step. Here every key and value of a row's slot is read once, as stored (bfloat16 or float32), by the g query
-// heads that share it, in float32. The keys are split into chunks, so that one row's long context spreads over
-// every thread (split-K, as flash-decoding does); each chunk keeps its own maximum, sum and weighted values,
-// merged per row and head at the end.
+// heads that share it, in float32 (AVX2 vectors: d a multiple of 8). The keys are split into chunks, so that one
+// row's long context spreads over every thread (split-K, as flash-decoding does); each chunk keeps its own maximum,
+// sum and weighted values, merged per row and head at the end. A row's result depends on its own keys alone, never
+// on the rows beside it: a verified draft's row is the row decoded alone at its position.
 //
 // q (b, h_q, 1, d) of the model's dtype; keys and values (B, h_kv, T, d), one layer's, each contiguous;
 // slot_index (b,) and positions (b, 1) int64. Returns (b, h_q, 1, d) of the cache's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,83 +42,134 @@ inline float to_float(at::BFloat16 v) {
   return f;
 }
 
-// exp(x) for x <= 0 in plain float arithmetic that the compiler vectorizes (std::exp is a call per element):
-// x = n·ln 2 + r, |r| <= ln 2 / 2, exp(r) by its Taylor series to r⁶ (relative error under 2e-7), times 2^n.
-// Below -87 (float32's smallest normal number is e^-87.3) it returns e^-87: a weight no sum can tell from 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts: n·ln 2 exact to float
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120, p = p * r + 1.f / 24, p = p * r + 1.f / 6, p = p * r + 0.5f, p = p * r + 1.f, p = p * r + 1.f;
-  return p * std::bit_cast<float>(static_cast<int32_t>(n + 127.f) << 23);
+// 8 values as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is float32's upper half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
-constexpr int64_t kKeys = 4;  // keys in flight: four independent sums, where one would wait on each addition
+// The sums of each of a[0..7]'s 8 lanes, as lanes 0..7 of one vector, in a fixed order.
+inline __m256 lane_sums(const __m256 (&a)[8]) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // per 128-bit half
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
 
-// Scratch of one thread: kKeys key or value rows, the chunk's scores, the queries in float32.
+// exp(x) for x <= 0, 8 at a time: x = n·ln 2 + r, |r| <= ln 2 / 2, exp(r) by its Taylor series to r⁶ (relative
+// error under 2e-7), times 2^n. Below -87 (float32's smallest normal number is e^-87.3) it gives e^-87: a weight no
+// sum can tell from 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
+  __m256 p = _mm256_set1_ps(1.f / 720);  // ln 2 in two parts above: n·ln 2 exact to float
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+
+constexpr int64_t kKeys = 8;  // keys scored at a time: one lane each
+constexpr int64_t kHeads = 8;  // query heads whose weighted values are summed at a time: one register each
+
+// Scratch of one thread: kKeys key rows, the chunk's scores, the queries in float32.
 struct Scratch {
   std::vector<float> rows, scores, queries;
-  Scratch(int64_t g, int64_t d) : rows(kKeys * d), scores(g * kChunk), queries(g * d) {}
+  Scratch(int64_t g, int64_t d) : rows(kKeys * d), scores(g * (kChunk + kKeys)), queries(g * d) {}
 };
 
-// Rows t..t+kKeys-1 (those below n) of `from` (each d wide) in float32; the rest zero.
-template <typename T>
-inline void load_rows(const T* from, int64_t t, int64_t n, int64_t d, float* rows) {
-  for (int64_t i = 0; i < kKeys; ++i) {
-    float* row = rows + i * d;
-    if (t + i < n) {
-      const T* source = from + (t + i) * d;
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) row[j] = to_float(source[j]);
-    } else {
-      std::fill(row, row + d, 0.f);
+// out[h, :] = Σ_t weights[h, t]·values[t, :] for H heads (weights: row stride `stride`), S·8 of d at a time: H·S
+// sums in registers, each key's 8·S values read once for all H heads.
+template <int H, int S, typename T>
+void weigh_values(const T* values, int64_t n, int64_t d, const float* weights, int64_t stride, float* out) {
+  for (int64_t j = 0; j < d; j += 8 * S) {
+    __m256 acc[H][S];
+    for (int h = 0; h < H; ++h)
+      for (int s = 0; s < S; ++s) acc[h][s] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      __m256 v[S];
+      for (int s = 0; s < S; ++s) v[s] = load8(values + t * d + j + 8 * s);
+      for (int h = 0; h < H; ++h) {
+        const __m256 w = _mm256_broadcast_ss(weights + h * stride + t);
+        for (int s = 0; s < S; ++s) acc[h][s] = _mm256_fmadd_ps(w, v[s], acc[h][s]);
+      }
     }
+    for (int h = 0; h < H; ++h)
+      for (int s = 0; s < S; ++s) _mm256_storeu_ps(out + h * d + j + 8 * s, acc[h][s]);
   }
 }
 
-// One chunk [begin, end) of one row's K/V head, for its g query heads (scratch.queries: g·d, scaled by 1/sqrt(d)):
-// each head's maximum score, sum of exp(score - maximum) and Σ exp(score - maximum)·v (d floats).
+// weigh_values for `heads` (1..kHeads) heads: as many 8s of d at a time as keep about 8 sums in flight (an FMA's
+// latency times the two a cycle), where d holds them.
+template <typename T>
+void weigh_values(const T* values, int64_t n, int64_t d, const float* weights, int64_t stride, int64_t heads,
+                  float* out) {
+  const bool four = d % 32 == 0, two = d % 16 == 0;
+  switch (heads) {
+#define KVSERVE_HEADS(H, S)                                                                                   \
+  case H:                                                                                                     \
+    if (S >= 4 && four) return weigh_values<H, (S >= 4 ? 4 : 1)>(values, n, d, weights, stride, out);        \
+    if (S >= 2 && two) return weigh_values<H, (S >= 2 ? 2 : 1)>(values, n, d, weights, stride, out);         \
+    return weigh_values<H, 1>(values, n, d, weights, stride, out);
+    KVSERVE_HEADS(1, 4) KVSERVE_HEADS(2, 4) KVSERVE_HEADS(3, 2) KVSERVE_HEADS(4, 2)
+    KVSERVE_HEADS(5, 1) KVSERVE_HEADS(6, 1) KVSERVE_HEADS(7, 1) KVSERVE_HEADS(8, 1)
+#undef KVSERVE_HEADS
+  }
+  TORCH_CHECK(false, "weigh_values takes 1 to ", kHeads, " heads at a time");
+}
+
+// One chunk [begin, end) of one row's K/V head, for its g query heads (scratch.queries: g·d, scaled by 1/sqrt(d)),
+// d a multiple of 8: each head's maximum score, sum of exp(score - maximum) and Σ exp(score - maximum)·v (d floats).
+// Scores go 8 keys at a time (each key's row read and widened once for the g heads), the weighted values 8 of d
+// at a time for up to 8 heads, each key's values read once per 8 of d.
 template <typename T>
 void attend_chunk(Scratch& scratch, const T* keys, const T* values, int64_t begin, int64_t end, int64_t g, int64_t d,
                   float* maximum, float* total, float* out) {
-  const int64_t n = end - begin;
-  const float* r0 = scratch.rows.data();
-  const float *r1 = r0 + d, *r2 = r0 + 2 * d, *r3 = r0 + 3 * d;
-  float* scores = scratch.scores.data();  // (g, n)
+  const int64_t n = end - begin, padded = (n + kKeys - 1) / kKeys * kKeys;
+  float* rows = scratch.rows.data();
+  float* scores = scratch.scores.data();  // (g, padded)
   for (int64_t t = 0; t < n; t += kKeys) {
-    load_rows(keys + begin * d, t, n, d, scratch.rows.data());
+    for (int64_t i = 0; i < kKeys; ++i) {  // keys past n as zeros: their scores are not used
+      const T* key = keys + (begin + t + i) * d;
+      for (int64_t j = 0; j < d; j += 8)
+        _mm256_storeu_ps(rows + i * d + j, t + i < n ? load8(key + j) : _mm256_setzero_ps());
+    }
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = scratch.queries.data() + h * d;
-      float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-      for (int64_t j = 0; j < d; ++j) s0 += qh[j] * r0[j], s1 += qh[j] * r1[j], s2 += qh[j] * r2[j], s3 += qh[j] * r3[j];
-      const float sums[kKeys] = {s0, s1, s2, s3};
-      for (int64_t i = 0; i < kKeys && t + i < n; ++i) scores[h * n + t + i] = sums[i];
+      __m256 acc[kKeys];
+      for (int64_t i = 0; i < kKeys; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < d; j += 8) {
+        const __m256 qj = _mm256_loadu_ps(qh + j);
+        for (int64_t i = 0; i < kKeys; ++i) acc[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(rows + i * d + j), acc[i]);
+      }
+      _mm256_storeu_ps(scores + h * padded + t, lane_sums(acc));
     }
   }
+  const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t h = 0; h < g; ++h) {
-    float* sh = scores + h * n;
-    const float top = *std::max_element(sh, sh + n);
-    float sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sh[t] = exp_nonpositive(sh[t] - top);
-      sum += sh[t];
+    float* sh = scores + h * padded;
+    __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < padded; t += kKeys) {  // keys past n count as −∞
+      const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps(static_cast<float>(t))),
+                                         _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+      top = _mm256_max_ps(top, _mm256_blendv_ps(top, _mm256_loadu_ps(sh + t), valid));
     }
-    maximum[h] = top, total[h] = sum;
-    std::fill(out + h * d, out + (h + 1) * d, 0.f);
-  }
-  for (int64_t t = 0; t < n; t += kKeys) {
-    load_rows(values + begin * d, t, n, d, scratch.rows.data());  // rows past n are zero: their weight is unread
-    for (int64_t h = 0; h < g; ++h) {
-      const float* sh = scores + h * n + t;
-      const float p0 = sh[0], p1 = t + 1 < n ? sh[1] : 0.f, p2 = t + 2 < n ? sh[2] : 0.f, p3 = t + 3 < n ? sh[3] : 0.f;
-      float* oh = out + h * d;
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) oh[j] += p0 * r0[j] + p1 * r1[j] + p2 * r2[j] + p3 * r3[j];
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float most = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += kKeys) {  // weights of keys past n: 0
+      const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps(static_cast<float>(t))),
+                                         _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+      const __m256 w = _mm256_and_ps(valid, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(most))));
+      _mm256_storeu_ps(sh + t, w);
+      sum = _mm256_add_ps(sum, w);
     }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    maximum[h] = most, total[h] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
   }
+  for (int64_t h0 = 0; h0 < g; h0 += kHeads)
+    weigh_values(values + begin * d, n, d, scores + h0 * padded, padded, std::min(kHeads, g - h0), out + h0 * d);
 }
 
 template <typename T, typename Q>
@@ -213,6 +265,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
                   slot_index.is_contiguous() && positions.is_contiguous() && slot_index.numel() == q.size(0) &&
                   positions.numel() == q.size(0), "slot_index (b,) and positions (b, 1): contiguous int64");
   TORCH_CHECK(q.stride(3) == 1 && q.scalar_type() == keys.scalar_type(), "q: each head's d contiguous, of the cache's dtype");
+  TORCH_CHECK(q.size(3) % 8 == 0, "the head width must be a multiple of 8");
   if (keys.scalar_type() == at::kBFloat16) return attend<at::BFloat16, at::BFloat16>(q, keys, values, slot_index, positions, window);
   TORCH_CHECK(keys.scalar_type() == at::kFloat, "keys and values: bfloat16 or float32");
   return attend<float, float>(q, keys, values, slot_index, positions, window);
