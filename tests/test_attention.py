@@ -110,10 +110,11 @@ def test_decode_writes_the_same_keys_as_prefill():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h_q, h_kv", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("h_q, h_kv", [(4, 4), (6, 2), (4, 1), (10, 2), (18, 2)])
 def test_our_decode_attention_reads_each_rows_keys_in_the_cache(dtype, h_q, h_kv):
     """kvserve's kernel (CPU decode) against grouped_attention over each row's keys taken out of the cache; row
-    lengths from one key to several chunks of 256, slots in any order and twice."""
+    lengths from one key to several chunks of 256, slots in any order and twice; 1 to 9 query heads per K/V head
+    (its weighted values go up to 8 heads at a time, in registers sized by the head count)."""
     from engine.linear.native import load_kernels
 
     if load_kernels() is not None:
