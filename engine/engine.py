@@ -331,8 +331,8 @@ class Engine:
 
     @property
     def compiled_graphs(self) -> tuple[str, ...]:
-        """Decode batch buckets that run as compiled graphs, by the batch sizes they serve ("1", "2+", or ranges
-        split where a layer switches form; the rest run eagerly), or on CUDA the captured graphs ("b4·k512")."""
+        """Decode batch buckets that run as compiled graphs, by the batch sizes they serve ("1", "2+"; the rest run
+        eagerly), or on CUDA the captured graphs ("b4·k512")."""
         return self.executor.graph_names
 
     @property

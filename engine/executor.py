@@ -2,10 +2,10 @@
 
 A few graphs serve every decode step, each for a range of batch sizes (a bucket): one for a single
 sequence (torch specializes size 1, so a batch of one is a graph of its own) and one for any larger
-batch; where a layer changes form at some number of rows (TwoForms: the LM head, dense copies), the
-larger batches split there, one graph on each side. In every graph the batch size and the keys read per row (the
-filled length, not T) are dynamic dimensions, so decode cost still follows what the slots hold and no
-batch is padded.
+batch. In every graph the batch size and the keys read per row (the filled length, not T) are dynamic
+dimensions, so decode cost still follows what the slots hold and no batch is padded. A row's logits are the
+same bits eager and in either graph, at every batch size: the layers take no form that depends on the rows
+beside it (quantized.decoding), and the norms and attention are kvserve's kernels, which compute each row alone.
 
 Compiling takes from seconds (a tiny model) to minutes (30 layers on 2 cores). `compile()` does it on a
 scratch cache of the same layout but a few positions, never on the live one, so it may run on a thread
@@ -38,7 +38,6 @@ from engine.kv_cache import KVCache, LayerCache, ring_readable
 from engine.models.model import Transformer
 from engine.linear.native import kernels_run_on
 from engine.rope import RotaryTable
-from engine.linear.two_forms import TwoForms
 
 log = logging.getLogger("kvserve.executor")
 
@@ -145,7 +144,7 @@ class DecodeExecutor:
         # The most rows a step runs: one per slot, or with speculative decoding one per slot and draft (a row per
         # verified position: Engine._verify).
         self.rows = rows or cache.slots
-        self.buckets = batch_buckets(model, self.rows)
+        self.buckets = batch_buckets(self.rows)
         self.graphs: dict[str, object] = {}  # bucket -> compiled step, filled as each is ready (CPU)
         # attention by kvserve's kernel (CPU, where it loads; its vectors take head widths in 8s)
         self.reads_cache = kernels_run_on(cache.device) and cache.head_dim % 8 == 0
@@ -177,7 +176,7 @@ class DecodeExecutor:
         graph = self.graphs.get(self.bucket(len(tokens)))
         if graph is None:
             batch = DecodeBatch(slots, lengths, device, self.reads_cache)
-            return self.model.logits(self.model(token_ids, self.rotary, self.cache, batch)[:, 0])
+            return self.model.logits(self.model(token_ids, self.rotary, self.cache, batch))[:, 0]  # (b, 1, V) -> (b, V)
         positions = torch.tensor(lengths, device=device)[:, None]  # (b, 1)
         mask = torch.arange(max(lengths) + 1, device=device) <= positions  # (b, kv_len): keys up to its own
         return graph(token_ids, torch.tensor(slots, device=device), positions, mask[:, None, None, :],
@@ -191,7 +190,7 @@ class DecodeExecutor:
             attention = broadcast_attention
         batch = GraphDecodeBatch(slot_index, positions, mask, attention)
         hidden = self.model(tokens, self.rotary, CacheLayers(groups, self.cache), batch)  # (b, 1, hidden)
-        return self.model.logits(hidden[:, 0])
+        return self.model.logits(hidden)[:, 0]  # the head over (b, 1, hidden), a decode step's shape -> (b, V)
 
     def capture(self, graphs: bool = True) -> None:
         """Decode through CUDA graphs from the next step on, each (batch size, key length) captured at its first use
@@ -274,10 +273,10 @@ class DecodeExecutor:
         return f"batch {smallest}" if largest == smallest else f"batches of {smallest} to {largest}"
 
 
-def batch_buckets(model: Transformer, rows: int) -> dict[str, int]:
-    """Each decode bucket, named by the batch sizes it serves, by the smallest: one row, then larger batches,
-    split wherever a layer changes form (TwoForms) at a batch of at most `rows` (the most a step runs)."""
-    switches = {m.dense_from for m in model.modules() if isinstance(m, TwoForms) and m.dense_from is not None}
-    starts = sorted({1} | {n for n in {2} | switches if 2 <= n <= rows})  # one row at most: no larger batch
+def batch_buckets(rows: int) -> dict[str, int]:
+    """Each decode bucket, named by the batch sizes it serves, by the smallest: one row, then every larger batch up
+    to `rows` (the most a step runs). No layer changes form with a decode step's batch size (quantized.decoding: a
+    row gets the bits it gets alone), so no bucket splits there."""
+    starts = [1, 2] if rows >= 2 else [1]  # one row at most: no larger batch
     ends = [n - 1 for n in starts[1:]] + [rows if starts[-1] == rows else None]
     return {str(a) if a == b else f"{a}+" if b is None else f"{a}-{b}": a for a, b in zip(starts, ends)}

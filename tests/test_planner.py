@@ -20,6 +20,7 @@ from engine.linear.codes import GroupCodes
 from engine.linear.embedding import CodesEmbedding
 from engine.linear.dense import CpuLinear, PackedLinear, packs_bfloat16
 from engine.linear import planner as planner_module
+from engine.linear.native import load_kernels
 from engine.linear.planner import Machine, Planner, Role, codes_layer_class, served_by_type, summary
 from engine.linear.quantized import Codes4Linear, GroupLinear, Int8Linear
 from engine.linear.timing import ProductForms, Timings, dense_from
@@ -239,14 +240,14 @@ def planned(model_dir, name: str, quantize: str, timings: Given, dense_copies: b
     return build_model(config, state, CPU, Planner(Machine.found(CPU), quantize, dense_copies, timings))
 
 
-def test_compiled_decode_splits_its_batches_where_the_head_switches(model_dir):
+def test_compiled_decode_keeps_the_codes_past_the_switch_and_eagers_bits(model_dir):
     model = planned(model_dir, "tied", "int4", Given(head=3))  # an int8 head, the embedding from 3 rows
     tokenizer = Tokenizer.from_dir(model_dir("tied"))
     settings = dict(device="cpu", max_batch_size=4, max_seq_len=64, seed=0)
     compiled = Engine(model, tokenizer, EngineConfig(compile="on", **settings))
     eager = Engine(model, tokenizer, EngineConfig(**settings))
-    assert compiled.compile() and compiled.compiled_graphs == ("1", "2", "3+")
-    assert [compiled.executor.bucket(b) for b in (1, 2, 3, 4)] == ["1", "2", "3+", "3+"]
+    assert compiled.compile() and compiled.compiled_graphs == ("1", "2+")
+    assert [compiled.executor.bucket(b) for b in (1, 2, 3, 4)] == ["1", "2+", "2+", "2+"]
     frames = counters["frames"]["total"]
     ids = tokenizer.encode("The quick brown fox")
     with torch.inference_mode():
@@ -255,9 +256,11 @@ def test_compiled_decode_splits_its_batches_where_the_head_switches(model_dir):
         for rows in (1, 2, 3, 4):
             args = ([5] * rows, list(range(rows)), [len(ids)] + [slot + 2 for slot in range(1, rows)])
             got, want = compiled.executor.forward(*args), eager.executor.forward(*args)
-            # bfloat16 activations: inductor's fused kernels round at other points than eager ops do.
-            torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
-            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+            if load_kernels() is None:  # the norms and attention on kvserve's kernels: every row as eager computes it,
+                assert torch.equal(got, want)  # and as the one-row graph does
+                assert torch.equal(got[:1], compiled.executor.forward([5], [0], [len(ids)]))
+            else:  # torch's norms: inductor's fused kernels round at other points than eager ops do
+                torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
     assert counters["frames"]["total"] == frames  # every batch size ran on a graph compiled up front
 
 
@@ -300,16 +303,20 @@ def test_dense_copies_serve_the_same_answers(model_dir):
         assert kl.max().item() < 1e-3
 
 
-def test_decode_buckets_split_where_any_layer_switches_within_the_slots():
-    def layers(*switches):
-        return torch.nn.ModuleList([TwoForms(torch.nn.Identity(), torch.nn.Identity(), n) for n in switches])
-
-    assert batch_buckets(layers(None), rows=8) == {"1": 1, "2+": 2}
-    assert batch_buckets(layers(3, 3, None), rows=4) == {"1": 1, "2": 2, "3+": 3}
-    assert batch_buckets(layers(3, 6), rows=8) == {"1": 1, "2": 2, "3-5": 3, "6+": 6}
-    assert batch_buckets(layers(3, 6), rows=5) == {"1": 1, "2": 2, "3+": 3}  # a switch past the slots never happens
-    assert batch_buckets(layers(1, 2), rows=8) == {"1": 1, "2+": 2}
-    assert batch_buckets(layers(None), rows=1) == {"1": 1}  # one row at most never batches
+def test_a_decode_step_keeps_one_form_at_every_batch_size():
+    """A decode step's rows (b, 1, in) take the codes past the switch, so a row gets the bits it gets alone; other
+    inputs switch there. The decode buckets therefore never split at a switch."""
+    generator = torch.Generator().manual_seed(0)
+    codes, dense = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    layer = TwoForms(codes, dense, dense_from=2)
+    x = torch.randn(8, 1, 4, generator=generator)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), codes(x))  # 8 rows of one position each: a decode step
+        assert torch.equal(layer(x[:, 0]), dense(x[:, 0]))  # 8 rows of a matrix (a prefill's): dense from 2
+        assert torch.equal(layer(x[:1, 0]), codes(x[:1, 0]))
+    assert batch_buckets(rows=8) == {"1": 1, "2+": 2}
+    assert batch_buckets(rows=2) == {"1": 1, "2": 2}
+    assert batch_buckets(rows=1) == {"1": 1}  # one row at most never batches
 
 
 def test_the_server_takes_dense_copies_counts_their_bytes_and_reports_its_plan(model_dir):

@@ -281,6 +281,29 @@ def test_four_bit_codes_fused_with_eight_bit_ones_keep_their_accuracy():
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
 
 
+def centred_codes(rows: int, bits: int, generator: torch.Generator) -> GroupCodes:
+    """Random codes of `rows` rows of 256 inputs, w = s·(q − centre) as Q4_0, Q5_0 and Q8_0 store them."""
+    scale = (torch.rand(rows, 8, generator=generator) * 0.01 + 0.001).half().float()
+    return GroupCodes(torch.randint(0, 2 ** bits, (rows, 256), dtype=torch.uint8, generator=generator), scale,
+                      -(2 ** (bits - 1)) * scale, bits)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_decode_steps_rows_get_the_bits_they_get_alone_in_every_form(form, bits):
+    """Rows of one position each (b, 1, in), a decode step's, give each row the product it gets alone, whichever
+    form the layer would take for that many rows (bfloat16 tiles round otherwise: they are not taken there)."""
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    generator = torch.Generator().manual_seed(bits)
+    layer = codes_layer(bits)(centred_codes(48, bits, generator), None, torch.bfloat16, forms=FORMS[form])
+    x = torch.randn(40, 1, 256, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        together = layer(x)  # (40, 1, 48)
+        for row in (0, 17, 39):
+            assert torch.equal(together[row], layer(x[row: row + 1])[0])
+
+
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_centred_codes_hold_no_minimums_and_compute_the_same(bits):
     """Q4_0, Q5_0 and Q8_0 are w = s·(q − centre): the layer holds no minimums (the file's 4.5, 5.5 and 8.5 bits per
@@ -288,9 +311,7 @@ def test_centred_codes_hold_no_minimums_and_compute_the_same(bits):
     if load_kernels() is not None:
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
     generator = torch.Generator().manual_seed(bits)
-    scale = (torch.rand(37, 8, generator=generator) * 0.01 + 0.001).half().float()
-    codes = GroupCodes(torch.randint(0, 2 ** bits, (37, 256), dtype=torch.uint8, generator=generator), scale,
-                       -(2 ** (bits - 1)) * scale, bits)
+    codes = centred_codes(37, bits, generator)
     layer = codes_layer(bits)(codes, None, torch.float32)
     assert layer.minimum.numel() == 0
     x = torch.randn(5, 256, generator=generator)
@@ -299,7 +320,7 @@ def test_centred_codes_hold_no_minimums_and_compute_the_same(bits):
         assert torch.equal(layer.product(x), given)
         exact = x @ codes.dequantize().t()
         assert ((given - exact).norm() / exact.norm()).item() < 0.01
-    offset = replace(codes, minimum=codes.minimum + scale)  # Q4_1's kind: a minimum of its own
+    offset = replace(codes, minimum=codes.minimum + codes.scale)  # Q4_1's kind: a minimum of its own
     assert codes_layer(bits)(offset, None, torch.float32).minimum.shape == layer.scale.shape
 
 

@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.linear.codes import GROUP_SIZE, SUPER_BLOCK, GroupCodes, SubBlockCodes, SuperBlockCodes
-from engine.linear.timing import ProductForms
+from engine.linear.timing import NEVER, ProductForms
+
+
+def decoding(x: torch.Tensor) -> bool:
+    """Whether x (b, 1, in) holds one position per sequence: a decode step, in which every row must get the bits it
+    gets alone, so that a request's tokens never depend on what else is decoded beside it (nor a verified draft's
+    on the drafts after it: engine/engine.py's _verify)."""
+    return x.dim() == 3 and x.shape[1] == 1
 
 
 class WeightOnlyLinear(nn.Module):
@@ -42,12 +49,13 @@ class WeightOnlyLinear(nn.Module):
         kernel that made them)."""
         return self.activation_dtype
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (tokens, in) -> (tokens, out), without the bias."""
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:
+        """rows (tokens, in) -> (tokens, out), without the bias. alone: every row gets the bits it gets in a product
+        of its own, whatever the number of rows (a form that rounds differently for many rows is not taken)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x.reshape(-1, x.shape[-1]))  # (tokens, in): the kernels take a matrix
+        y = self.product(x.reshape(-1, x.shape[-1]), alone=decoding(x))  # (tokens, in): the kernels take a matrix
         y = y.reshape(*x.shape[:-1], self.out_features)  # (..., out)
         return y if self.bias is None else y + self.bias
 
@@ -69,7 +77,7 @@ class GroupLinear(WeightOnlyLinear):
         self.out_features, self.in_features = weight.shape
         self.activation_dtype = dtype
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
         if self.halves == 1:
             return y
@@ -122,9 +130,11 @@ class GroupTiles(WeightOnlyLinear):
         """The torch op for these codes, kvserve::codes{bits}_product (registered by engine.linear.native.load_kernels)."""
         return getattr(torch.ops.kvserve, f"codes{self.bits}_product")
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:
+        # Dot products and integer tiles give a row the same bits at any row count; bfloat16 tiles, which take the
+        # inputs unquantized, do not.
         y = self.kernel(rows.contiguous(), self.packed, self.scale, self.minimum, self.out_features,
-                        self.forms.integer_tiles_from, self.forms.bfloat16_tiles_from)
+                        self.forms.integer_tiles_from, NEVER if alone else self.forms.bfloat16_tiles_from)
         return y.to(self.activation_dtype)
 
     @staticmethod
@@ -229,7 +239,7 @@ class SuperBlockLinear(WeightOnlyLinear):
         self.bias = bias
         self.activation_dtype = dtype
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:  # one form: each row alone
         kernel = getattr(torch.ops.kvserve, f"superblock{self.bits}_product")
         y = kernel(rows.contiguous(), self.packed, self.group_scale, self.group_minimum, self.scale, self.minimum_scale,
                    self.out_features)
@@ -270,7 +280,7 @@ class SubBlock6Linear(WeightOnlyLinear):
         self.bias = bias
         self.activation_dtype = dtype
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:  # one form: each row alone
         y = torch.ops.kvserve.subblock6_product(rows.contiguous(), self.packed, self.scale, self.block_scale,
                                                 self.out_features)
         return y.to(self.activation_dtype)
@@ -302,8 +312,8 @@ class StackedLinear(WeightOnlyLinear):
         self.out_features = sum(p.out_features for p in parts)
         self.activation_dtype = parts[0].activation_dtype
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.product(rows) for p in self.parts], dim=1)  # (tokens, out): the parts' rows in order
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:
+        return torch.cat([p.product(rows, alone) for p in self.parts], dim=1)  # (tokens, out): the parts' rows in order
 
 
 def nibbles(runs: torch.Tensor) -> torch.Tensor:
@@ -328,5 +338,5 @@ class Int8Linear(WeightOnlyLinear):
         self.out_features, self.in_features = weight.shape
         self.activation_dtype = dtype
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)

@@ -12,7 +12,7 @@ Two kinds of measurement, both of whole products on data shaped as a model's:
 
 The record is a cache file (engine/cache_file.py) in the compiled-code cache, named by the CPU, torch and the
 kernels' library: every later process on the machine reads the same counts, so compiled graphs, which hold
-them as constants (the decode buckets split at the switches), stay the same from one start to the next. One
+them as constants (the forms' row counts), stay the same from one start to the next. One
 that is damaged is measured again.
 """
 

@@ -6,8 +6,9 @@ rows. Where the two cross depends on the CPU; the planner (engine/linear/planner
 row count measured for this machine (engine/linear/timing.py). Two places have a dense form:
 - the LM head of a quantized model with tied embeddings (SmolLM2, Qwen2, Llama 3.2): its dense form is
   the embedding itself, which stays dense for row lookups, so it costs no memory;
-- with `dense_copies`, every quantized layer of the blocks: a bfloat16 copy of its weight, for prefill
-  and large batches, at the price of that copy's memory (four times int4 codes).
+- with `dense_copies`, every quantized layer of the blocks: a bfloat16 copy of its weight, for prefill, at the
+  price of that copy's memory (four times int4 codes).
+A decode step, at any batch size, takes the codes: a row then gets the same bits whatever runs beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.linear.quantized import WeightOnlyLinear
+from engine.linear.quantized import WeightOnlyLinear, decoding
 
 
 class TwoForms(nn.Module):
@@ -38,7 +39,9 @@ class TwoForms(nn.Module):
         return self.dense if self.dense_from is not None and rows >= self.dense_from else self.codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.form(x.numel() // x.shape[-1])(x)
+        # A decode step keeps the codes at any batch size: the dense form rounds otherwise, and a row must get
+        # the bits it gets alone (quantized.decoding).
+        return (self.codes if decoding(x) else self.form(x.numel() // x.shape[-1]))(x)
 
 
 @torch.inference_mode()

@@ -21,21 +21,36 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) · w, normalized in float32, cast back to the model's dtype, then scaled (Llama's order)."""
+    """x / rms(x) · w, normalized in float32, cast back to the model's dtype, then scaled (Llama's order).
+
+    By kvserve's kernel where it runs (`by_kernel`, set by build_model): a row's bits are then the same eager, in
+    every compiled graph and at every batch size (engine/linear/native/rms_norm.cpp says why torch's are not).
+    """
+
+    OFFSET = False  # the scale is 1 + w, not w
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
+        self.by_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.by_kernel and x.dtype == self.weight.dtype:
+            return torch.ops.kvserve.rms_norm(x.contiguous(), self.weight, self.eps, self.OFFSET)
+        return self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's form of the kernel's arithmetic."""
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class OffsetRMSNorm(RMSNorm):
     """x / rms(x) · (1 + w), all in float32, then cast (Gemma's): a stored w of 0 is the identity scale."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    OFFSET = True
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0 + self.weight.float()
         return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).mul(scale).to(x.dtype)
 

@@ -8,12 +8,15 @@ import torch
 from torch import nn
 
 from engine.models.architecture import ARCHITECTURES
+from engine.models.layers import RMSNorm
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.linear.codes import QuantizedWeight
 from engine.linear.planner import Decision, Machine, Planner, Role
 from engine.rope import RotaryTable
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes kvserve's rms_norm computes in
 
 
 class Transformer(nn.Module):
@@ -77,7 +80,7 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWe
 
     Each linear layer is what `planner` decides for its weight (by default: dense, as this machine runs it
     fastest), and so is the embedding (dense, or read from codes: a tied head's or its own); the decisions, with their reasons,
-    are the model's `plan`. The norms stay dense.
+    are the model's `plan`. The norms stay dense, computed by kvserve's kernel where it runs (RMSNorm).
     """
     planner = planner or Planner(Machine.found(device))
     with torch.device("meta"):
@@ -99,6 +102,8 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWe
     decisions.insert(0, lookup)
     model.load_state_dict(state, strict=True, assign=True)
     retie(model)
+    for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
+        norm.by_kernel = planner.machine.cpu and planner.machine.kernels_off is None and norm.weight.dtype in KERNEL_DTYPES
     model.plan = tuple(decisions)
     return model.to(device).eval().requires_grad_(False)
 
