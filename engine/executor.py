@@ -277,6 +277,6 @@ def batch_buckets(rows: int) -> dict[str, int]:
     """Each decode bucket, named by the batch sizes it serves, by the smallest: one row, then every larger batch up
     to `rows` (the most a step runs). No layer changes form with a decode step's batch size (quantized.decoding: a
     row gets the bits it gets alone), so no bucket splits there."""
-    starts = [1, 2] if rows >= 2 else [1]  # one row at most: no larger batch
-    ends = [n - 1 for n in starts[1:]] + [rows if starts[-1] == rows else None]
-    return {str(a) if a == b else f"{a}+" if b is None else f"{a}-{b}": a for a, b in zip(starts, ends)}
+    if rows == 1:  # one row at most: no larger batch
+        return {"1": 1}
+    return {"1": 1, "2" if rows == 2 else "2+": 2}

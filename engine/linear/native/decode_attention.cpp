@@ -29,6 +29,8 @@
 #include <limits>
 #include <vector>
 
+#include "eight.h"
+
 namespace kvserve {
 namespace {
 
@@ -40,12 +42,6 @@ inline float to_float(at::BFloat16 v) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
-}
-
-// 8 values as float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is float32's upper half
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
 // The sums of each of a[0..7]'s 8 lanes, as lanes 0..7 of one vector, in a fixed order.
