@@ -7,6 +7,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from engine.linear.native import kernels_run_on
 from engine.sampling import (
     SamplingParams,
     apply_additive_penalties,
@@ -57,10 +58,15 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState],
 def normalize(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (b, V) -> each row's most likely token (b,) and its log-sum-exp (b,), from one pass for the max.
 
-    Raises where a log-sum-exp is not finite: a NaN or +inf logit, or no finite one in the row.
+    By kvserve's kernel where it runs (engine/linear/native/log_norm.cpp: torch's max over a vocabulary is a
+    scalar loop, and each row's sum then depends on that row alone). Raises where a log-sum-exp is not finite: a
+    NaN or +inf logit, or no finite one in the row.
     """
-    top, best = logits.max(dim=-1)  # (b,): the first maximum, as argmax
-    log_norm = top + (logits - top[:, None]).exp_().sum(dim=-1).log_()  # shifted by the max: no overflow
+    if kernels_run_on(logits.device) and logits.dtype == torch.float32:
+        best, log_norm = torch.ops.kvserve.log_norm(logits.contiguous())
+    else:
+        top, best = logits.max(dim=-1)  # (b,): the first maximum, as argmax
+        log_norm = top + (logits - top[:, None]).exp_().sum(dim=-1).log_()  # shifted by the max: no overflow
     if not torch.isfinite(log_norm).all():
         raise FloatingPointError("the model produced non-finite logits")
     return best, log_norm

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import InvalidParameter, SamplingParams
-from engine.sampler import select_tokens
+from engine.linear.native import load_kernels
+from engine.sampler import normalize, select_tokens
 from engine.sampling import apply_repetition_penalty, draw, min_p_filter, top_k_filter, top_p_filter
 
 NEG_INF = float("-inf")
@@ -195,3 +196,26 @@ def test_draw_never_lands_on_a_token_without_weight():
     scores[:, 0] = -100.0  # odds of e^-100: weighed 0, as float32 cannot tell them from nothing
     tokens = draw(scores, torch.arange(500), torch.zeros(500, dtype=torch.long))
     assert (tokens == 2).all()
+
+
+@pytest.mark.skipif(load_kernels() is not None, reason=f"kvserve's kernels are off here: {load_kernels()}")
+@pytest.mark.parametrize("vocab", [1, 13, 64, 49152])  # 13: a tail past the last 8
+def test_the_kernels_greedy_token_and_log_norm_are_torchs(vocab):
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 5
+    if vocab > 8:
+        logits[0, vocab // 2] = logits[0, vocab - 3] = logits[0].max() + 1  # a tie: the first index, as argmax
+    best, log_norm = torch.ops.kvserve.log_norm(logits)
+    assert torch.equal(best, logits.argmax(dim=-1))
+    exact = logits.double().logsumexp(dim=-1)
+    assert ((log_norm.double() - exact).abs() <= 1e-6 * exact.abs().clamp(min=1)).all()
+    for row in range(len(logits)):  # a row's bits are its own, whatever rows come with it
+        alone = torch.ops.kvserve.log_norm(logits[row:row + 1].contiguous())
+        assert alone[0].item() == best[row].item() and alone[1].item() == log_norm[row].item()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_of_non_finite_logits_is_refused(bad):
+    for logits in (torch.randn(3, 100), torch.full((3, 100), float("-inf"))):
+        logits[1, 50] = bad
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            normalize(logits)
