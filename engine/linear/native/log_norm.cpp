@@ -67,14 +67,11 @@ std::tuple<int64_t, float> row_log_norm(const float* x, int64_t n) {
   if (nan) return {0, std::numeric_limits<float>::quiet_NaN()};
   if (!std::isfinite(most)) return {0, most == lowest ? lowest : most};  // no finite logit, or +inf: non-finite
 
-  int64_t best = 0;
   const __m256 target = _mm256_set1_ps(most);
-  for (i = 0; i + 8 <= n; i += 8) {
-    const int equal = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
-    if (equal) break;
-  }
-  while (x[i] != most) ++i;  // within the 8 found, or in the tail
-  best = i;
+  for (i = 0; i + 8 <= n; i += 8)  // the first 8 holding the maximum
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ))) break;
+  while (x[i] != most) ++i;  // within those 8, or in the tail
+  const int64_t best = i;
 
   __m256d sum[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
   for (i = 0; i + 8 <= n; i += 8) {
