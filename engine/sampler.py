@@ -58,9 +58,9 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState],
 def normalize(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (b, V) -> each row's most likely token (b,) and its log-sum-exp (b,), from one pass for the max.
 
-    By kvserve's kernel where it runs (engine/linear/native/log_norm.cpp: torch's max over a vocabulary is a
-    scalar loop, and each row's sum then depends on that row alone). Raises where a log-sum-exp is not finite: a
-    NaN or +inf logit, or no finite one in the row.
+    By kvserve's kernel where it runs (engine/linear/native/log_norm.cpp): torch's max over a vocabulary is a
+    scalar loop, and the kernel computes each row alone, so a row's bits do not depend on the rows beside it.
+    Raises where a log-sum-exp is not finite: a NaN or +inf logit, or no finite one in the row.
     """
     if kernels_run_on(logits.device) and logits.dtype == torch.float32:
         best, log_norm = torch.ops.kvserve.log_norm(logits.contiguous())

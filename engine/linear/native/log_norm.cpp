@@ -4,10 +4,10 @@
 //   log_norm[r] = max + log Σ exp(x - max), the exponentials in float32, their sum in float64
 // A row with a NaN or +inf logit, or with no finite one, gets a non-finite log_norm (the caller raises).
 //
-// Why a kernel: torch's max(dim) and argmax run over a vocabulary as a scalar loop (50-110 us a row of 49,152 on a
-// Zen 3, 0.9 ms for 16 rows, where its amax takes 13-44 us), and its sum of exponentials splits one row across
-// threads but not 16: a few percent of a small model's decode step, and a row's last bits that depended on how many
-// rows came with it. Here a row's result depends on that row alone, whatever the batch.
+// Why a kernel: torch's max(dim) and argmax run over a vocabulary as a scalar loop (several times its amax; figures
+// in bench/README), and its sum of exponentials splits one row across threads but not many: a few percent of a
+// small model's decode step, and a row's last bits that depended on how many rows came with it. Here a row's result
+// depends on that row alone, whatever the batch.
 //
 // logits (b, V) float32, contiguous. Returns (best (b,) int64, log_norm (b,) float32).
 #include <ATen/ATen.h>
