@@ -268,8 +268,8 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent | RequestFailed]:
-        """One unit of work: admit waiting requests, run one prefill pass over the next chunks of the prompts
-        not yet written (at most `prefill_chunk_size` tokens), then one decode step for the requests past theirs.
+        """One unit of work: admit waiting requests, write the next chunks of the prompts not yet written (at
+        most `prefill_chunk_size` tokens, a pass each: _prefill), then one decode step for the requests past theirs.
 
         A long prompt is written over several steps, so running requests keep getting tokens meanwhile.
         Every request past its prefill gets one new token per step (more where speculation verified drafts),
@@ -450,21 +450,25 @@ class Engine:
             self.corpus.add(request.prompt_ids[-max(NGRAM_SIZES):] + request.output_ids)
 
     def _prefill(self, requests: list[Request]) -> list[TokenEvent | RequestFailed]:
-        """One forward pass over the next prompt chunks of `requests` (oldest first), right-padded rows of at
-        most `prefill_chunk_size` padded tokens in all: the oldest always gets a chunk, later ones join while
-        the pass stays within that size. Each chunk starts where its slot's prompt positions end
-        (`prefilled`: after a reused prefix, or after the chunks of earlier steps).
+        """The next prompt chunk of some of `requests` (oldest first), each in a forward pass of its own: the
+        oldest always gets a chunk, later ones join while the step's chunks stay within `prefill_chunk_size`
+        tokens in all. Each chunk starts where its slot's prompt positions end (`prefilled`: after a reused
+        prefix, or after the chunks of earlier steps), and is min(prompt left, prefill_chunk_size) long.
+
+        A pass of its own, because a prompt's bits must not depend on what else is prefilled beside it: in a
+        shared pass a shorter prompt's rows are padded to the longest one (its attention reads over the longer
+        row's key length, in another order) and the pass's row count chooses the products' form. A near tie that
+        flips with its neighbours would make what a request gets depend on what else arrived, and speculative
+        decoding, which changes when requests end and others are admitted, would change it.
         """
         limit = self.config.prefill_chunk_size
-        pieces: dict[str, int] = {}  # request id -> prompt tokens this pass writes
+        pieces: dict[str, int] = {}  # request id -> prompt tokens its pass writes
         for request in requests:
-            n, width = min(request.prompt_left, limit), max(pieces.values(), default=0)
-            if not pieces or (len(pieces) + 1) * max(width, n) <= limit:
+            n = min(request.prompt_left, limit)
+            if not pieces or sum(pieces.values()) + n <= limit:
                 pieces[request.request_id] = n
-        if not pieces:
-            return []
         chosen = [r for r in requests if r.request_id in pieces]
-        return self._isolated(lambda group: self._prefill_pass(group, pieces), chosen)
+        return [event for r in chosen for event in self._isolated(lambda one: self._prefill_pass(one, pieces), [r])]
 
     def _prefill_pass(self, requests: list[Request], pieces: dict[str, int]) -> list[Choice | None]:
         """Write pieces[id] more prompt tokens of each request; the ones whose prompt is then complete sample

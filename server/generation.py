@@ -235,7 +235,7 @@ def start_sequences(runner: EngineRunner, metrics: Metrics, prompt_ids: list[int
     """n sequences of one prompt (OpenAI's `n`, TGI's `best_of`), all admitted or none. Sequence i samples
     with seed + i when a seed is given (so sequence 0 is what the request alone gives), else with a seed of
     its own. They share the prompt: prefix caching computes it once when it is at least a prefill chunk long
-    (shorter ones share one batched prefill pass)."""
+    (a shorter one is computed for each)."""
     slots = runner.engine.slots
     if n > slots:
         raise APIError(422, f"{name}={n} exceeds the server's {slots} sequence slots (--max-batch-size): "

@@ -32,7 +32,7 @@ class Metrics:
         self.request_queue = Histogram(
             "kvserve_request_queue_seconds", "Arrival to getting a KV-cache slot.", buckets=REQUEST_BUCKETS, registry=r)
         self.engine_step = Histogram(
-            "kvserve_engine_step_seconds", "One engine step: admissions, a prefill pass, one decode of every running "
+            "kvserve_engine_step_seconds", "One engine step: admissions, the next prompt chunks, one decode of every running "
             "request (a stall shows here as a step of seconds).", buckets=LATENCY_BUCKETS, registry=r)
         runner.step_observers.append(self.engine_step.observe)
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)

@@ -36,6 +36,35 @@ def test_mixed_lengths_in_one_batch_equal_each_alone(make_engine):
     assert [c.output_ids for c in together] == [c.output_ids for c in alone]
 
 
+def test_prompts_admitted_together_get_the_bits_each_gets_alone(tmp_path):
+    """A Q4_0 GGUF on kvserve's kernels (each row's products its own): prompts of different lengths admitted in one
+    step get, token by token, the same logprob bits as each prompt alone. Bits, not tokens: a prompt whose last
+    bits moved with the prompts beside it would flip a near tie some time, and then what a request gets would
+    depend on what else arrived; speculative decoding, which changes when requests end and others are admitted,
+    would change it. (A prefill pass shared by prompts of different lengths did move them.)"""
+    from gguf import GGMLQuantizationType
+
+    from engine import EngineConfig
+    from tests.tiny import write_gguf_model, write_model
+    from weights.gguf_file import import_gguf
+    from weights.loading import load_engine
+
+    src = write_model(tmp_path / "src", kind="qwen3")
+    write_gguf_model(src, tmp_path / "q4.gguf", "qwen3", matrix_type=GGMLQuantizationType.Q4_0)
+    imported = import_gguf(tmp_path / "q4.gguf", tmp_path / "imported", progress=False)
+
+    def logprobs(slots: int, prompts: list[str]) -> list[list[tuple[int, float]]]:
+        engine = load_engine(imported, EngineConfig(device="cpu", max_batch_size=slots, max_seq_len=128, seed=0))
+        requests = [engine.add_request(p, GREEDY) for p in prompts]
+        seen = {r.request_id: [] for r in requests}
+        while engine.has_work:
+            for event in engine.step():
+                seen[event.request_id].append((event.token_id, event.logprob))
+        return [seen[r.request_id] for r in requests]
+
+    assert logprobs(4, PROMPTS) == [logprobs(1, [p])[0] for p in PROMPTS]
+
+
 def test_request_joining_mid_way_changes_nothing(make_engine):
     engine = make_engine(max_batch_size=4)
     first = engine.add_request(PROMPTS[0], GREEDY)
