@@ -4,7 +4,8 @@ guessed from their input, and whether the output stayed the same.
 Two engines on the same model, side by side in one process: plain decoding and speculation on; the second must
 reproduce the first's tokens exactly (on a quantized model, compiled or not: every graph gives a row the eager
 step's bits). A single stream's rate is
-its decode rate (the tokens after the first over the time after it), a mixed load's its tokens over the whole run.
+its decode rate (the tokens after the first over the time after it); the mixed streams' is their tokens over the
+steps in which every stream has a request in the engine (each sends its next request as its last ends).
 With --llama-bin, llama.cpp's llama-server runs the single-stream tasks on the same GGUF file, with its n-gram
 speculation and without (its own decode rate, `timings.predicted_per_second`), as the reference.
 """
@@ -31,6 +32,8 @@ PASSAGE = ("The KV cache holds, for every sequence slot, every layer and every p
            "it without running the prompt again. Its size is two times the slots times the layers times the positions "
            "times the key-value heads times the head width, in the cache's element size. Grouped-query attention "
            "shares each key-value head among several query heads, which divides the cache by that ratio.")
+MIXED = ("quote", "chat", "rename", "chat")  # the mixed streams' tasks, in turn
+MIXED_ROUNDS = 3  # requests each mixed stream sends, one after another
 
 
 def code_snippet() -> str:
@@ -76,23 +79,26 @@ def run(args: argparse.Namespace) -> dict:
     def params(name: str) -> SamplingParams:
         return SamplingParams(**({"max_new_tokens": max_tokens, "temperature": 0} | chosen[name][1]))
 
-    def timed(target, batch: list[tuple[list[int], SamplingParams]]):
+    def timed(target, measure, load):
         rates, ids = [], None
         for _ in range(1 if args.quick else args.repeats):
-            rate, ids = decoded(target, batch)
+            rate, ids = measure(target, load)
             rates.append(rate)
         return statistics.median(rates), ids
 
     warm = [(prompts["chat"], SamplingParams(max_new_tokens=8, temperature=0))]
     for target in (plain, fast):
-        timed(target, warm)
+        timed(target, decoded, warm)
     rows, results = [], {}
-    mixed = [(prompts[name], params(name)) for name in ("quote", "chat", "rename", "chat") * (streams // 4 or 1)]
-    loads = {name: [(prompts[name], params(name))] for name in chosen} | {f"mixed x{len(mixed)}": mixed}
-    for name, batch in loads.items():
+    # Stream s sends MIXED's tasks in turn from its s-th, one request after another.
+    mixed = [[(prompts[name], params(name)) for name in (MIXED * 2)[s % len(MIXED):][:MIXED_ROUNDS]]
+             for s in range(streams)]
+    loads = {name: (decoded, [(prompts[name], params(name))]) for name in chosen} | {
+        f"{streams} streams, mixed": (streamed, mixed)}
+    for name, (measure, load) in loads.items():
         before = fast.draft_totals
-        plain_rate, plain_ids = timed(plain, batch)
-        rate, ids = timed(fast, batch)
+        plain_rate, plain_ids = timed(plain, measure, load)
+        rate, ids = timed(fast, measure, load)
         drafted, kept = (a - b for a, b in zip(fast.draft_totals, before))
         results[name] = {"plain_tok_s": plain_rate, "speculative_tok_s": rate, "speedup": rate / plain_rate,
                          "tokens": sum(map(len, ids)), "draft_tokens": drafted, "accepted_tokens": kept,
@@ -149,6 +155,38 @@ def decoded(engine, batch: list[tuple[list[int], SamplingParams]]) -> tuple[floa
     seconds = time.perf_counter() - (first if len(batch) == 1 else started)
     ids = [tokens[r.request_id] for r in requests]
     return (sum(map(len, ids)) - (len(batch) == 1)) / seconds, ids
+
+
+def streamed(engine, streams: list[list[tuple[list[int], SamplingParams]]]) -> tuple[float, list[list[int]]]:
+    """Streams that each send their requests one after another, the next as soon as the last ends, all through
+    Engine.step: (tokens/s over the steps in which every stream had a request in the engine, each request's tokens,
+    stream by stream). Only those steps count: at a closed batch's end the streams that finished first leave their
+    slots empty, and that end measures how the batch drains (speculation finishes the requests it guesses well
+    first), not the rate at which the streams are served."""
+    ids = [[[] for _ in sent] for sent in streams]
+    running: dict[str, tuple[int, int]] = {}  # request id -> (stream, its request's index), while in the engine
+
+    def send(stream: int, i: int) -> None:
+        prompt, params = streams[stream][i]
+        running[engine.add_request(prompt, params).request_id] = (stream, i)
+
+    for stream in range(len(streams)):
+        send(stream, 0)
+    tokens, seconds = 0, 0.0
+    while engine.has_work:
+        every_stream = len(running) == len(streams)
+        started = time.perf_counter()
+        events = engine.step()
+        if every_stream:
+            tokens, seconds = tokens + len(events), seconds + time.perf_counter() - started
+        for event in events:
+            stream, i = running[event.request_id]
+            ids[stream][i].append(event.token_id)
+            if event.finish_reason is not None:
+                del running[event.request_id]
+                if i + 1 < len(streams[stream]):
+                    send(stream, i + 1)
+    return tokens / seconds, [request for sent in ids for request in sent]
 
 
 def llama_rate(url: str, text: str, overrides: dict, max_tokens: int, repeats: int, chat: bool) -> float:

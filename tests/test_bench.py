@@ -181,7 +181,7 @@ def test_quants_serves_a_gguf_and_times_its_decode_streams_and_prefill(tmp_path,
 def test_spec_keeps_every_output_of_the_default_model(tmp_path):
     bench(tmp_path, "spec", "--compile", "off")
     payload = json.loads((tmp_path / "spec.json").read_text())
-    assert list(payload["results"]) == ["rename", "quote", "json", "chat", "mixed x4"]
+    assert list(payload["results"]) == ["rename", "quote", "json", "chat", "4 streams, mixed"]
     for result in payload["results"].values():
         assert result["identical"]
         assert 0 <= result["accepted_tokens"] <= result["draft_tokens"]
