@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> dict:
     for target in (plain, fast):
         timed(target, decoded, warm)
     rows, results = [], {}
-    # Stream s sends MIXED's tasks in turn from its s-th, one request after another.
-    mixed = [[(prompts[name], params(name)) for name in (MIXED * 2)[s % len(MIXED):][:MIXED_ROUNDS]]
+    # Stream s's i-th request is MIXED's task s + i (in turn, wrapping), one request after another.
+    mixed = [[(prompts[MIXED[(s + i) % len(MIXED)]], params(MIXED[(s + i) % len(MIXED)])) for i in range(MIXED_ROUNDS)]
              for s in range(streams)]
     loads = {name: (decoded, [(prompts[name], params(name))]) for name in chosen} | {
         f"{streams} streams, mixed": (streamed, mixed)}
