@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from engine import EngineConfig
 from engine.linear.planner import Machine, codes_layer_class, summary
 from engine.linear.quantized import WeightOnlyLinear
+from engine.linear.timing import NEVER
 from tests.tiny import add_bpe_vocabulary, add_shape, gguf_name, quantize_q4_k, quantize_q6_k
 from weights.checkpoint import transformers_files
 from weights.gguf_file import GGUFError, import_gguf, unpermute_rope_rows
@@ -264,9 +265,12 @@ def test_a_k_quant_gguf_is_served_as_stored_and_matches_transformers(model_dir, 
         assert types["layers.*.mlp.down_proj"]["layer"] == q4_k
     elif kernels:  # Q4_K q and k above Q6_K v: a stack of the two, each as stored on its own kernel
         assert types["layers.*.self_attn.qkv_proj"]["layer"] == "StackedLinear"
+        # K-quants take AMX's integer tiles for whole 16 rows where this CPU has them (from 16 rows or later)
+        forms = next(d.layer for d in served.model.plan if d.name.endswith("qkv_proj")).parts[0].forms
+        assert forms.bfloat16_tiles_from == NEVER and forms.integer_tiles_from >= 16
         assert types["layers.*.self_attn.qkv_proj"]["reason"] == (
-            "stacked by type: Q4_K as stored on kvserve's Q4_K kernel (dot products at every row count); "
-            "Q6_K as stored on kvserve's Q6_K kernel (dot products at every row count)")
+            f"stacked by type: Q4_K as stored on kvserve's Q4_K kernel ({forms.described()}); "
+            f"Q6_K as stored on kvserve's Q6_K kernel ({forms.described()})")
         assert types["layers.*.mlp.down_proj"]["layer"] == "SubBlock6Linear"
         assert served.model.plan[-1].served == ("Q6_K as stored",)
     else:  # torch's int4 kernel: one layer of 8-bit groups, each Q4_K group exact in it, v fitted

@@ -304,6 +304,31 @@ def test_a_decode_steps_rows_get_the_bits_they_get_alone_in_every_form(form, bit
             assert torch.equal(together[row], layer(x[row: row + 1])[0])
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_rows_through_integer_tiles_get_the_bits_they_get_alone(kind):
+    """Where the CPU has AMX, the K-quants take integer tiles for each whole 16 input rows (the rest dot products):
+    the same integer sums in another order, so every row gets the bits it gets alone (a verification row or a
+    batch's row decodes as a single stream does), and the products are the file's weights against 8-bit inputs."""
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    if not torch.ops.kvserve.tile_forms() & INTEGER_TILES:
+        pytest.skip("this CPU or build has no integer tiles")
+    codes = {"Q4_K": random_q4_k, "Q5_K": random_q5_k, "Q6_K": random_q6_k}[kind](37, 512)
+    layer_class = SubBlock6Linear if kind == "Q6_K" else SuperBlockLinear
+    tiled = layer_class(codes, None, torch.float32, forms=ProductForms(integer_tiles_from=1))
+    dots = layer_class(codes, None, torch.float32)  # dot products at every row count
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(3))  # rows 0-31 in two tile passes, 32-39 not
+    with torch.inference_mode():
+        together = tiled(x)
+        assert torch.equal(together, dots(x))
+        for row in (0, 15, 16, 31, 32, 39):
+            assert torch.equal(together[row], tiled(x[row: row + 1])[0])
+        one_hot = tiled(torch.eye(512))  # 512 rows, all in tiles: every weight
+    exact = x @ codes.dequantize().t()
+    assert ((together - exact).norm() / exact.norm()).item() < 0.01
+    torch.testing.assert_close(one_hot, codes.dequantize().t(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_centred_codes_hold_no_minimums_and_compute_the_same(bits):
     """Q4_0, Q5_0 and Q8_0 are w = s·(q − centre): the layer holds no minimums (the file's 4.5, 5.5 and 8.5 bits per

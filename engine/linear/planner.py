@@ -130,10 +130,13 @@ class Planner:
             layers, hows = zip(*(self._codes_layer(p, None, head) for p in weight.parts))
             parts = "; ".join(f"{', '.join(p.served)} on {how}" for p, how in zip(weight.parts, hows))
             return StackedLinear(list(layers), bias), f"stacked by type: {parts}"
-        if isinstance(weight, SuperBlockCodes):
-            return SuperBlockLinear(weight, bias, output), f"kvserve's Q{weight.bits}_K kernel (dot products at every row count)"
-        if isinstance(weight, SubBlockCodes):
-            return SubBlock6Linear(weight, bias, output), "kvserve's Q6_K kernel (dot products at every row count)"
+        if isinstance(weight, (SuperBlockCodes, SubBlockCodes)):
+            # Integer tiles for whole 16 rows alone (the rest dot products), from where they win for group codes:
+            # no bfloat16 tiles, which would give a row other bits than it gets alone.
+            forms = ProductForms(integer_tiles_from=max(self.forms.integer_tiles_from, SuperBlockLinear.TILE))
+            if isinstance(weight, SubBlockCodes):
+                return SubBlock6Linear(weight, bias, output, forms), f"kvserve's Q6_K kernel ({forms.described()})"
+            return SuperBlockLinear(weight, bias, output, forms), f"kvserve's Q{weight.bits}_K kernel ({forms.described()})"
         kind = codes_layer_class(weight.bits, self.machine)
         if kind is GroupLinear:
             halves = f" ({weight.bits} bits as two 4-bit halves)" if weight.bits > 4 else ""

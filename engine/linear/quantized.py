@@ -219,11 +219,14 @@ class SuperBlockLinear(WeightOnlyLinear):
     """GGUF's Q4_K and Q5_K as stored, through kvserve's kernel (engine/linear/native/superblock_product.cpp): the
     codes packed as Codes4Linear or Codes5Linear packs them, in tiles of 16 output rows, beside each tile's 6-bit group
     scales and minimums (a byte each) and its super-blocks' float16 d and dmin. Each group is then a group of scale
-    d·sc and minimum −dmin·mn, multiplied as Codes4Linear and Codes5Linear multiply one."""
+    d·sc and minimum −dmin·mn, multiplied as Codes4Linear and Codes5Linear multiply one. From `forms`'
+    integer_tiles_from rows, where the CPU has AMX, each whole 16 input rows go through integer tiles: the same integer
+    sums as the dot products, so a row gets the same bits at any row count."""
 
     TILE = 16
 
-    def __init__(self, weight: SuperBlockCodes, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: SuperBlockCodes, bias: torch.Tensor | None, dtype: torch.dtype,
+                 forms: ProductForms = ProductForms()):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         tiled = lambda t: tiles_of(t, self.TILE)  # (tile, column, row)
@@ -238,11 +241,12 @@ class SuperBlockLinear(WeightOnlyLinear):
         self.register_buffer("minimum_scale", tiled(weight.minimum_scale))
         self.bias = bias
         self.activation_dtype = dtype
+        self.forms = forms  # only integer_tiles_from counts: bfloat16 tiles would give a row other bits
 
-    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:  # one form: each row alone
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:  # every form: each row alone
         kernel = getattr(torch.ops.kvserve, f"superblock{self.bits}_product")
         y = kernel(rows.contiguous(), self.packed, self.group_scale, self.group_minimum, self.scale, self.minimum_scale,
-                   self.out_features)
+                   self.out_features, self.forms.integer_tiles_from)
         return y.to(self.activation_dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -259,11 +263,14 @@ class SuperBlockLinear(WeightOnlyLinear):
 class SubBlock6Linear(WeightOnlyLinear):
     """GGUF's Q6_K as stored, through kvserve's kernel (engine/linear/native/subblock6_product.cpp): in tiles of 16
     output rows, each group's low 4 bits of the codes packed as Codes4Linear packs codes, then their high 2 bits; each
-    tile's int8 sub-block scales and its super-blocks' float16 d beside them. 6.56 bits per weight, as the file."""
+    tile's int8 sub-block scales and its super-blocks' float16 d beside them. 6.56 bits per weight, as the file.
+    From `forms`' integer_tiles_from rows, where the CPU has AMX, each whole 16 input rows go through integer tiles
+    (a tile product per sub-block): the same integer sums, so a row gets the same bits at any row count."""
 
     TILE = 16
 
-    def __init__(self, weight: SubBlockCodes, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: SubBlockCodes, bias: torch.Tensor | None, dtype: torch.dtype,
+                 forms: ProductForms = ProductForms()):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         codes = F.pad(weight.codes, (0, 0, 0, -self.out_features % self.TILE))
@@ -279,10 +286,11 @@ class SubBlock6Linear(WeightOnlyLinear):
         self.register_buffer("block_scale", tiles_of(weight.block_scale, self.TILE))  # (tile, block, row)
         self.bias = bias
         self.activation_dtype = dtype
+        self.forms = forms  # only integer_tiles_from counts: bfloat16 tiles would give a row other bits
 
-    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:  # one form: each row alone
+    def product(self, rows: torch.Tensor, alone: bool = False) -> torch.Tensor:  # every form: each row alone
         y = torch.ops.kvserve.subblock6_product(rows.contiguous(), self.packed, self.scale, self.block_scale,
-                                                self.out_features)
+                                                self.out_features, self.forms.integer_tiles_from)
         return y.to(self.activation_dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

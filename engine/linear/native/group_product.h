@@ -373,6 +373,15 @@ struct alignas(64) TileConfig {
     for (int t = 4; t < 8; ++t) bytes_per_row[t] = kTile * 4, rows[t] = input_rows;
   }
 
+  // Half groups' integer tiles (Q6_K's sub-blocks of 16 inputs): 0, 1 = 16 input rows' 16 codes (A); 2, 3 = a half
+  // group's 4 weight operands (B); 4..7 = (16, 16) int32 dot products.
+  static TileConfig halves() {
+    TileConfig config(kAmxRows);
+    for (int t = 0; t < 2; ++t) config.bytes_per_row[t] = kGroup / 2;
+    for (int t = 2; t < 4; ++t) config.rows[t] = kGroup / 8;
+    return config;
+  }
+
   // The bfloat16 tiles' (bf16_block): 0, 1 inputs, 2, 3 weights, 4..7 float32 sums, each 16 rows of 64 bytes.
   static TileConfig bfloat16() {
     TileConfig config(kAmxRows);

@@ -8,6 +8,8 @@
 // then that of llama.cpp's K-quant products on the same file: Σ w·(x̂·scale − x) over 8-bit inputs.
 #pragma once
 
+#include <limits>
+
 #include "group_product.h"
 
 namespace kvserve {
@@ -113,9 +115,12 @@ void superblock_tile(const Format& format, int64_t t, const QuantizedSuperBlocks
 
 // Every input row times every tile of a K-quant weight (Format: superblock_tile's), tiles split over torch's
 // threads, input rows kRowsPerPass at a time, then the rest in one pass (a pass per row would read the tile's codes
-// again for each). Checks what every K-quant product shares.
+// again for each). From `integer_tiles_from` rows, where this build and process have AMX, each whole 16 rows go
+// through the Format's integer_tiles (AMX's tdpbsud, configured by its tile_config) instead: the same integer sums,
+// so a row gets the same bits either way. Checks what every K-quant product shares.
 template <typename Format>
-at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t out_features, const Format& format) {
+at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t out_features, const Format& format,
+                               int64_t integer_tiles_from = std::numeric_limits<int64_t>::max()) {
   TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
                   rows.is_contiguous(), "rows: contiguous float32 or bfloat16 (m, in)");
   TORCH_CHECK(rows.size(1) % kSuperBlock == 0, "K-quants' inputs come in super-blocks of 256");
@@ -125,9 +130,27 @@ at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t ou
   at::Tensor y = at::empty({m, padded}, rows.options().dtype(at::kFloat));
   const QuantizedSuperBlocks x(rows);
   float* yp = y.data_ptr<float>();
+  int64_t tiled_rows = 0;  // the leading rows that go through integer tiles, 16 at a time
+#ifdef KVSERVE_AMX
+  if constexpr (Format::kHasIntegerTiles) {
+    if (m >= integer_tiles_from && amx_permitted()) tiled_rows = m / kAmxRows * kAmxRows;
+  }
+#endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+#ifdef KVSERVE_AMX
+    if constexpr (Format::kHasIntegerTiles) {
+      if (tiled_rows > 0) {
+        const TileConfig config = Format::tile_config();
+        _tile_loadconfig(&config);  // per thread, as torch's threads run these tiles
+        for (int64_t t = begin; t < end; ++t)
+          for (int64_t r = 0; r < tiled_rows; r += kAmxRows)
+            format.integer_tiles(t, x, r, yp + r * padded + t * kTile, padded);
+        _tile_release();
+      }
+    }
+#endif
     for (int64_t t = begin; t < end; ++t) {
-      int64_t r = 0;
+      int64_t r = tiled_rows;
       for (; r + kRowsPerPass <= m; r += kRowsPerPass)
         superblock_tile<Format, kRowsPerPass>(format, t, x, r, yp + r * padded + t * kTile, padded);
       float* rest = yp + r * padded + t * kTile;

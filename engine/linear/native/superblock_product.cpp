@@ -24,6 +24,7 @@ template <typename CodesT>
 struct SuperBlockFormat {
   using Codes = CodesT;
   static constexpr int kSums = 2;
+  static constexpr bool kHasIntegerTiles = true;
   const uint8_t* packed;
   const uint8_t* sc;
   const uint8_t* mn;
@@ -97,12 +98,45 @@ struct SuperBlockFormat {
     }
 #endif
   }
+
+#ifdef KVSERVE_AMX
+  // Tile t's 16 outputs of the 16 input rows from `row` (the tiles configured for 16 rows), by AMX's integer tiles:
+  // per group one tdpbsud gives every row's Σ q·x̂, the integers `add` takes by vpdpbusd; times sc and summed over
+  // the super-block in int32 as `add` sums them, then `fold` as the vector path folds. Integer sums are exact in any
+  // order, so a row's products are the same bits by either path, at any row count.
+  static TileConfig tile_config() { return TileConfig(kAmxRows); }
+
+  void integer_tiles(int64_t t, const QuantizedSuperBlocks& x, int64_t row, float* y, int64_t out) const {
+    const int64_t in = groups * kGroup, blocks = groups / kSuperBlockGroups;
+    const uint8_t* codes = packed + t * groups * Codes::kTileGroupBytes;
+    alignas(64) uint8_t weights[kAmxGroups][8 * 64];
+    alignas(64) int32_t dots[kAmxGroups][kAmxRows * kTile];
+    Floats acc[kAmxRows];
+    for (int r = 0; r < kAmxRows; ++r) acc[r] = zero_floats();
+    static_assert(kSuperBlockGroups % kAmxGroups == 0, "a super-block is whole passes of tile products");
+    for (int64_t b = 0; b < blocks; ++b) {
+      Sums sums[kAmxRows][kSums];
+      for (int r = 0; r < kAmxRows; ++r) sums[r][0] = sums[r][1] = zero_sums();
+      for (int64_t g0 = b * kSuperBlockGroups; g0 < (b + 1) * kSuperBlockGroups; g0 += kAmxGroups) {
+        amx_dots<Codes>(codes, x.codes.data() + row * in, in, g0, kAmxGroups, weights, dots);
+        for (int i = 0; i < kAmxGroups; ++i) {
+          const __m512i s = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (t * groups + g0 + i) * kTile)));
+          for (int r = 0; r < kAmxRows; ++r)
+            sums[r][0] = _mm512_add_epi32(sums[r][0], _mm512_mullo_epi32(_mm512_load_si512(dots[i] + r * kTile), s));
+        }
+      }
+      fold<kAmxRows>(t, b, 0, x, row, sums, acc);
+    }
+    for (int r = 0; r < kAmxRows; ++r) store(y + r * out, acc[r]);
+  }
+#endif
 };
 
 template <typename Codes>
 at::Tensor superblock_product(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& group_scale,
                               const at::Tensor& group_minimum, const at::Tensor& scale,
-                              const at::Tensor& minimum_scale, int64_t out_features) {
+                              const at::Tensor& minimum_scale, int64_t out_features, int64_t integer_tiles_from) {
   const int64_t groups = rows.size(1) / kGroup, tiles = packed.size(0);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) == groups * Codes::kTileGroupBytes, "packed: contiguous uint8 (tiles, groups · tile bytes)");
@@ -117,11 +151,11 @@ at::Tensor superblock_product(const at::Tensor& rows, const at::Tensor& packed, 
   const SuperBlockFormat<Codes> format{packed.data_ptr<uint8_t>(), group_scale.data_ptr<uint8_t>(),
                                        group_minimum.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
                                        minimum_scale.data_ptr<at::Half>(), groups};
-  return superblock_products(rows, tiles, out_features, format);
+  return superblock_products(rows, tiles, out_features, format, integer_tiles_from);
 }
 
 at::Tensor superblock_product_meta(const at::Tensor& rows, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, const at::Tensor&, int64_t out_features) {
+                                   const at::Tensor&, const at::Tensor&, int64_t out_features, int64_t) {
   return superblock_products_meta(rows, out_features);
 }
 
@@ -130,9 +164,9 @@ at::Tensor superblock_product_meta(const at::Tensor& rows, const at::Tensor&, co
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("superblock4_product(Tensor rows, Tensor packed, Tensor group_scale, Tensor group_minimum, Tensor scale, "
-        "Tensor minimum_scale, int out_features) -> Tensor");
+        "Tensor minimum_scale, int out_features, int integer_tiles_from) -> Tensor");
   m.def("superblock5_product(Tensor rows, Tensor packed, Tensor group_scale, Tensor group_minimum, Tensor scale, "
-        "Tensor minimum_scale, int out_features) -> Tensor");
+        "Tensor minimum_scale, int out_features, int integer_tiles_from) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("superblock4_product", &kvserve::superblock_product<kvserve::Codes4Tile>);
