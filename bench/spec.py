@@ -5,7 +5,9 @@ Two engines on the same model, side by side in one process: plain decoding and s
 reproduce the first's tokens exactly (on a quantized model, compiled or not: every graph gives a row the eager
 step's bits). A single stream's rate is
 its decode rate (the tokens after the first over the time after it); the mixed streams' is their tokens over the
-steps in which every stream has a request in the engine (each sends its next request as its last ends).
+steps in which every stream has a request in the engine (each sends its next request as its last ends). Each run
+starts with an empty suffix index: a repeated request is drafted from its own history, as a new one is (the mixed
+streams' 48 requests of 4 prompts still draft from each other's replies within a run).
 With --llama-bin, llama.cpp's llama-server runs the single-stream tasks on the same GGUF file, with its n-gram
 speculation and without (its own decode rate, `timings.predicted_per_second`), as the reference.
 """
@@ -82,6 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     def timed(target, measure, load):
         rates, ids = [], None
         for _ in range(1 if args.quick else args.repeats):
+            target.forget_replies()  # else `auto` drafts a repeated request from its own earlier reply
             rate, ids = measure(target, load)
             rates.append(rate)
         return statistics.median(rates), ids

@@ -266,6 +266,12 @@ class Engine:
         self._finish(request, FinishReason.ABORT)
         return True
 
+    def forget_replies(self) -> None:
+        """Empty the suffix index of finished requests' replies, so that a request sent again is drafted from its own
+        history alone, as a new one is (a benchmark's repeated runs)."""
+        if self.corpus is not None:
+            self.corpus = SuffixCorpus(self.corpus.max_tokens)
+
     @torch.inference_mode()
     def step(self) -> list[TokenEvent | RequestFailed]:
         """One unit of work: admit waiting requests, write the next chunks of the prompts not yet written (at

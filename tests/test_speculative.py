@@ -140,6 +140,18 @@ def test_greedy_output_is_transformers_greedy_output(model_dir, hf_model, specul
     assert kept > 0 and {d.method for ds in drafts for d in ds} == {"suffix" if speculative == "suffix" else "ngram"}
 
 
+def test_forgetting_replies_drafts_a_repeated_request_from_its_own_history(model_dir):
+    engine = drafting_always(engine_for(model_dir, "suffix"))
+    params = [SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)]
+    first, _, _, _ = run(engine, PROMPTS[:1], params)
+    again, _, drafts, _ = run(engine, PROMPTS[:1], params)  # drafted from its first reply
+    assert again == first and sum(d.accepted for ds in drafts for d in ds) > 0
+    engine.forget_replies()
+    assert engine.speculation["suffix_tokens"] == 0
+    anew, _, drafts, _ = run(engine, PROMPTS[:1], params)  # suffix drafts come only from finished requests: none
+    assert anew == first and not any(drafts)
+
+
 def test_sampled_penalized_and_stopped_outputs_and_logprobs_are_unchanged_in_a_mixed_batch(model_dir):
     params = [SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, top_logprobs=3),
               SamplingParams(max_new_tokens=40, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3,
