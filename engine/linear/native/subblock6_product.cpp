@@ -57,7 +57,6 @@ struct Codes6Tile {
 struct SubBlock6Format {
   using Codes = Codes6Tile;
   static constexpr int kSums = 2;
-  static constexpr bool kHasIntegerTiles = true;
   static constexpr int32_t kCentreShift = 5;  // 32 = Codes6Tile::kCentre
   static_assert(Codes6Tile::kCentre == 1 << kCentreShift);
   const uint8_t* packed;
@@ -126,60 +125,52 @@ struct SubBlock6Format {
   }
 
 #ifdef KVSERVE_AMX
-  // Tile t's 16 outputs of the 16 input rows from `row` by AMX's integer tiles, a tdpbsud per half group (its own
-  // sc): every row's Σ q·x̂ of 16 inputs, the integers `add` takes by vpdpbusd; centred, times sc and summed over the
-  // super-block in int32 as `add` does, then `fold`: a row's products are the same bits by either path.
+  // superblock_tile_amx's: per half group (its own sc) of super-block b one tdpbsud gives the 16 rows' Σ q·x̂ over 16
+  // inputs (the integers `add` takes by vpdpbusd), centred, times sc and summed in int32 as `add` does; sums[r][1]
+  // stays 0, as in `add`.
   static TileConfig tile_config() { return TileConfig::halves(); }
 
-  void integer_tiles(int64_t t, const QuantizedSuperBlocks& x, int64_t row, float* y, int64_t out) const {
+  void tile_sums(int64_t t, int64_t b, const QuantizedSuperBlocks& x, int64_t row, Sums (&sums)[kAmxRows][kSums]) const {
     constexpr int64_t kHalf = kGroup / 2;
-    const int64_t in = groups * kGroup, blocks = groups / kSuperBlockGroups;
+    const int64_t in = groups * kGroup;
     const uint8_t* codes = packed + t * groups * Codes6Tile::kTileGroupBytes;
     const int8_t* inputs = x.codes.data() + row * in;
     alignas(64) uint8_t weights[2][8 * 64];  // two groups' operands: per group, 4 of the low half, 4 of the high
     alignas(64) int32_t dots[4][kAmxRows * kTile];  // per group, its low half's and its high half's
-    Floats acc[kAmxRows];
-    for (int r = 0; r < kAmxRows; ++r) acc[r] = zero_floats();
-    for (int64_t b = 0; b < blocks; ++b) {
-      Sums sums[kAmxRows][kSums];
-      for (int r = 0; r < kAmxRows; ++r) sums[r][0] = sums[r][1] = zero_sums();  // sums[r][1] stays 0, as in `add`
-      for (int64_t g0 = b * kSuperBlockGroups; g0 < (b + 1) * kSuperBlockGroups; g0 += 2) {
-        for (int i = 0; i < 2; ++i) {
-          Operand w[8];
-          Codes6Tile::operands(codes + (g0 + i) * Codes6Tile::kTileGroupBytes, 0, w);
-          for (int k = 0; k < 8; ++k) _mm512_store_si512(weights[i] + 64 * k, w[k]);
-        }
+    for (int64_t g0 = b * kSuperBlockGroups; g0 < (b + 1) * kSuperBlockGroups; g0 += 2) {
+      for (int i = 0; i < 2; ++i) {
+        Operand w[8];
+        Codes6Tile::operands(codes + (g0 + i) * Codes6Tile::kTileGroupBytes, 0, w);
+        for (int k = 0; k < 8; ++k) _mm512_store_si512(weights[i] + 64 * k, w[k]);
+      }
 #define KVSERVE_AMX_HALF(i, h, a, bt, c)                                   \
   _tile_zero(c);                                                          \
   _tile_loadd(a, inputs + (g0 + i) * kGroup + h * kHalf, in);             \
   _tile_loadd(bt, weights[i] + h * 256, 64);                              \
   _tile_dpbsud(c, a, bt);
-        KVSERVE_AMX_HALF(0, 0, 0, 2, 4)
-        KVSERVE_AMX_HALF(0, 1, 1, 3, 5)
-        KVSERVE_AMX_HALF(1, 0, 0, 2, 6)
-        KVSERVE_AMX_HALF(1, 1, 1, 3, 7)
+      KVSERVE_AMX_HALF(0, 0, 0, 2, 4)
+      KVSERVE_AMX_HALF(0, 1, 1, 3, 5)
+      KVSERVE_AMX_HALF(1, 0, 0, 2, 6)
+      KVSERVE_AMX_HALF(1, 1, 1, 3, 7)
 #undef KVSERVE_AMX_HALF
-        _tile_stored(4, dots[0], kTile * 4);
-        _tile_stored(5, dots[1], kTile * 4);
-        _tile_stored(6, dots[2], kTile * 4);
-        _tile_stored(7, dots[3], kTile * 4);
-        for (int i = 0; i < 2; ++i) {
-          const int8_t* scg = sc + (t * groups + g0 + i) * 2 * kTile;
-          const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scg)));
-          const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scg + kTile)));
-          for (int r = 0; r < kAmxRows; ++r) {
-            const int16_t* halves = x.half_sum.data() + ((row + r) * groups + g0 + i) * 2;
-            const __m512i low = _mm512_sub_epi32(_mm512_load_si512(dots[2 * i] + r * kTile),
-                                                 _mm512_set1_epi32(Codes6Tile::kCentre * halves[0]));
-            const __m512i high = _mm512_sub_epi32(_mm512_load_si512(dots[2 * i + 1] + r * kTile),
-                                                  _mm512_set1_epi32(Codes6Tile::kCentre * halves[1]));
-            sums[r][0] = _mm512_add_epi32(sums[r][0], _mm512_add_epi32(_mm512_mullo_epi32(low, s0), _mm512_mullo_epi32(high, s1)));
-          }
+      _tile_stored(4, dots[0], kTile * 4);
+      _tile_stored(5, dots[1], kTile * 4);
+      _tile_stored(6, dots[2], kTile * 4);
+      _tile_stored(7, dots[3], kTile * 4);
+      for (int i = 0; i < 2; ++i) {
+        const int8_t* scg = sc + (t * groups + g0 + i) * 2 * kTile;
+        const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scg)));
+        const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scg + kTile)));
+        for (int r = 0; r < kAmxRows; ++r) {
+          const int16_t* halves = x.half_sum.data() + ((row + r) * groups + g0 + i) * 2;
+          const __m512i low = _mm512_sub_epi32(_mm512_load_si512(dots[2 * i] + r * kTile),
+                                               _mm512_set1_epi32(Codes6Tile::kCentre * halves[0]));
+          const __m512i high = _mm512_sub_epi32(_mm512_load_si512(dots[2 * i + 1] + r * kTile),
+                                                _mm512_set1_epi32(Codes6Tile::kCentre * halves[1]));
+          sums[r][0] = _mm512_add_epi32(sums[r][0], _mm512_add_epi32(_mm512_mullo_epi32(low, s0), _mm512_mullo_epi32(high, s1)));
         }
       }
-      fold<kAmxRows>(t, b, 0, x, row, sums, acc);
     }
-    for (int r = 0; r < kAmxRows; ++r) store(y + r * out, acc[r]);
   }
 #endif
 };

@@ -113,11 +113,32 @@ void superblock_tile(const Format& format, int64_t t, const QuantizedSuperBlocks
     for (int r = 0; r < R; ++r) store(y + r * out + kPartRows * part, acc[part][r]);
 }
 
+#ifdef KVSERVE_AMX
+// superblock_tile for the 16 input rows from `row` by AMX's integer tiles (configured by Format::tile_config()): per
+// super-block, the Format's tile_sums<R>(t, b, x, row, sums) gives every row's integer sums as `add` sums them (the
+// tile products are the integers the dot products sum, exact in any order), then `fold` as the vector path folds, so
+// a row's products are the same bits by either path, at any row count.
+template <typename Format>
+void superblock_tile_amx(const Format& format, int64_t t, const QuantizedSuperBlocks& x, int64_t row, float* y,
+                         int64_t out) {
+  Floats acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = zero_floats();
+  for (int64_t b = 0; b < format.groups / kSuperBlockGroups; ++b) {
+    Sums sums[kAmxRows][Format::kSums];
+    for (int r = 0; r < kAmxRows; ++r)
+      for (int k = 0; k < Format::kSums; ++k) sums[r][k] = zero_sums();
+    format.tile_sums(t, b, x, row, sums);
+    format.template fold<kAmxRows>(t, b, 0, x, row, sums, acc);
+  }
+  for (int r = 0; r < kAmxRows; ++r) store(y + r * out, acc[r]);
+}
+#endif
+
 // Every input row times every tile of a K-quant weight (Format: superblock_tile's), tiles split over torch's
 // threads, input rows kRowsPerPass at a time, then the rest in one pass (a pass per row would read the tile's codes
 // again for each). From `integer_tiles_from` rows, where this build and process have AMX, each whole 16 rows go
-// through the Format's integer_tiles (AMX's tdpbsud, configured by its tile_config) instead: the same integer sums,
-// so a row gets the same bits either way. Checks what every K-quant product shares.
+// through superblock_tile_amx instead: the same integer sums, so a row gets the same bits either way. Checks what
+// every K-quant product shares.
 template <typename Format>
 at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t out_features, const Format& format,
                                int64_t integer_tiles_from = std::numeric_limits<int64_t>::max()) {
@@ -132,21 +153,17 @@ at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t ou
   float* yp = y.data_ptr<float>();
   int64_t tiled_rows = 0;  // the leading rows that go through integer tiles, 16 at a time
 #ifdef KVSERVE_AMX
-  if constexpr (Format::kHasIntegerTiles) {
-    if (m >= integer_tiles_from && amx_permitted()) tiled_rows = m / kAmxRows * kAmxRows;
-  }
+  if (m >= integer_tiles_from && amx_permitted()) tiled_rows = m / kAmxRows * kAmxRows;
 #endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
 #ifdef KVSERVE_AMX
-    if constexpr (Format::kHasIntegerTiles) {
-      if (tiled_rows > 0) {
-        const TileConfig config = Format::tile_config();
-        _tile_loadconfig(&config);  // per thread, as torch's threads run these tiles
-        for (int64_t t = begin; t < end; ++t)
-          for (int64_t r = 0; r < tiled_rows; r += kAmxRows)
-            format.integer_tiles(t, x, r, yp + r * padded + t * kTile, padded);
-        _tile_release();
-      }
+    if (tiled_rows > 0) {
+      const TileConfig config = Format::tile_config();
+      _tile_loadconfig(&config);  // per thread, as torch's threads run these tiles
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t r = 0; r < tiled_rows; r += kAmxRows)
+          superblock_tile_amx(format, t, x, r, yp + r * padded + t * kTile, padded);
+      _tile_release();
     }
 #endif
     for (int64_t t = begin; t < end; ++t) {

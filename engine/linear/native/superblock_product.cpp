@@ -24,7 +24,6 @@ template <typename CodesT>
 struct SuperBlockFormat {
   using Codes = CodesT;
   static constexpr int kSums = 2;
-  static constexpr bool kHasIntegerTiles = true;
   const uint8_t* packed;
   const uint8_t* sc;
   const uint8_t* mn;
@@ -100,35 +99,25 @@ struct SuperBlockFormat {
   }
 
 #ifdef KVSERVE_AMX
-  // Tile t's 16 outputs of the 16 input rows from `row` (the tiles configured for 16 rows), by AMX's integer tiles:
-  // per group one tdpbsud gives every row's Σ q·x̂, the integers `add` takes by vpdpbusd; times sc and summed over
-  // the super-block in int32 as `add` sums them, then `fold` as the vector path folds. Integer sums are exact in any
-  // order, so a row's products are the same bits by either path, at any row count.
+  // superblock_tile_amx's: per group of super-block b one tdpbsud gives the 16 rows' Σ q·x̂ (the integers `add` takes
+  // by vpdpbusd), times sc and summed in int32 as `add` sums them.
   static TileConfig tile_config() { return TileConfig(kAmxRows); }
 
-  void integer_tiles(int64_t t, const QuantizedSuperBlocks& x, int64_t row, float* y, int64_t out) const {
-    const int64_t in = groups * kGroup, blocks = groups / kSuperBlockGroups;
+  void tile_sums(int64_t t, int64_t b, const QuantizedSuperBlocks& x, int64_t row, Sums (&sums)[kAmxRows][kSums]) const {
+    const int64_t in = groups * kGroup;
     const uint8_t* codes = packed + t * groups * Codes::kTileGroupBytes;
     alignas(64) uint8_t weights[kAmxGroups][8 * 64];
     alignas(64) int32_t dots[kAmxGroups][kAmxRows * kTile];
-    Floats acc[kAmxRows];
-    for (int r = 0; r < kAmxRows; ++r) acc[r] = zero_floats();
     static_assert(kSuperBlockGroups % kAmxGroups == 0, "a super-block is whole passes of tile products");
-    for (int64_t b = 0; b < blocks; ++b) {
-      Sums sums[kAmxRows][kSums];
-      for (int r = 0; r < kAmxRows; ++r) sums[r][0] = sums[r][1] = zero_sums();
-      for (int64_t g0 = b * kSuperBlockGroups; g0 < (b + 1) * kSuperBlockGroups; g0 += kAmxGroups) {
-        amx_dots<Codes>(codes, x.codes.data() + row * in, in, g0, kAmxGroups, weights, dots);
-        for (int i = 0; i < kAmxGroups; ++i) {
-          const __m512i s = _mm512_cvtepu8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (t * groups + g0 + i) * kTile)));
-          for (int r = 0; r < kAmxRows; ++r)
-            sums[r][0] = _mm512_add_epi32(sums[r][0], _mm512_mullo_epi32(_mm512_load_si512(dots[i] + r * kTile), s));
-        }
+    for (int64_t g0 = b * kSuperBlockGroups; g0 < (b + 1) * kSuperBlockGroups; g0 += kAmxGroups) {
+      amx_dots<Codes>(codes, x.codes.data() + row * in, in, g0, kAmxGroups, weights, dots);
+      for (int i = 0; i < kAmxGroups; ++i) {
+        const __m512i s = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (t * groups + g0 + i) * kTile)));
+        for (int r = 0; r < kAmxRows; ++r)
+          sums[r][0] = _mm512_add_epi32(sums[r][0], _mm512_mullo_epi32(_mm512_load_si512(dots[i] + r * kTile), s));
       }
-      fold<kAmxRows>(t, b, 0, x, row, sums, acc);
     }
-    for (int r = 0; r < kAmxRows; ++r) store(y + r * out, acc[r]);
   }
 #endif
 };
