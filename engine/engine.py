@@ -536,7 +536,26 @@ class Engine:
         """Each request's (method, draft tokens), for those with any: how many pay follows this process's own
         timings (StepCosts), so under tensor parallelism rank 0 decides them and the other ranks take its."""
         threshold = self.step_costs.threshold(len(requests))
-        return {r.request_id: d for r in requests if (d := self._draft(r, threshold)) is not None}
+        drafts = {r.request_id: d for r in requests if (d := self._draft(r, threshold)) is not None}
+        # Every request's first K drafts fit the step's rows (the slots' 1 + K each); forced tokens past K take
+        # the rows left, first come first served.
+        k = self.config.num_speculative_tokens
+        spare = self.executor.rows - len(requests) - sum(min(len(tokens), k) for _, tokens in drafts.values())
+        for request_id, (method, tokens) in drafts.items():
+            extra = min(max(len(tokens) - k, 0), spare)
+            drafts[request_id] = (method, tokens[:min(len(tokens), k) + extra])
+            spare -= extra
+        return drafts
+
+    @property
+    def forced_limit(self) -> int:
+        """A grammar's forced tokens one step verifies for a request, at most. They always pass, so a whole forced
+        run (a JSON key with its quotes and colon, a tool call's envelope) takes one step rather than one per K: up
+        to MAX_SPECULATIVE_TOKENS and the rows a step runs (the slots' 1 + K each), or K where a ring holds only K
+        positions past its window."""
+        if self.cache.ring_window is not None:
+            return self.config.num_speculative_tokens
+        return max(self.config.num_speculative_tokens, min(MAX_SPECULATIVE_TOKENS, self.executor.rows - 1))
 
     def _report_drafts(self, events: list[TokenEvent | RequestFailed], requests: dict[str, Request],
                        drafts: dict[str, tuple[str, list[int]]]) -> list[TokenEvent | RequestFailed]:
@@ -572,16 +591,16 @@ class Engine:
         """(method, tokens) guessed to follow the request's newest token, or None: its grammar's forced tokens,
         else a match of its newest n-gram in its own tokens (ngram) or in recently finished requests (suffix),
         the longer match where both are on (auto). At most what the request may still emit, less one: the
-        verification adds the sampler's own token after them; n-gram drafts as many as pay at the request's rate
-        of right drafts (DraftBudget, against `threshold`, StepCosts'), forced tokens always."""
-        room = min(self.config.num_speculative_tokens, request.params.max_new_tokens - len(request.output_ids) - 1,
-                   self.max_seq_len - request.num_tokens)
+        verification adds the sampler's own token after them; forced tokens up to forced_limit, n-gram drafts up to
+        K, as many as pay at the request's rate of right drafts (DraftBudget, against `threshold`, StepCosts')."""
+        room = min(request.params.max_new_tokens - len(request.output_ids) - 1, self.max_seq_len - request.num_tokens)
         if room <= 0:
             return None
         if request.grammar is not None and not (request.grammar.is_stopped() or request.grammar.is_error()):
-            forced = request.grammar.compute_ff_tokens()[:room]
+            forced = request.grammar.compute_ff_tokens()[:min(room, self.forced_limit)]
             if forced:
                 return "grammar", forced
+        room = min(room, self.config.num_speculative_tokens)
         if request.budget is None:
             request.budget = DraftBudget(self.config.num_speculative_tokens)
             request.ngrams = NgramIndex()

@@ -193,6 +193,28 @@ def test_a_schema_gets_its_forced_tokens_drafted_and_the_same_object(model_dir):
     assert forced and sum(d.accepted for d in forced) == sum(d.proposed for d in forced)  # forced: always kept
 
 
+
+def test_a_forced_run_longer_than_k_is_verified_in_one_step_with_the_same_object(model_dir, monkeypatch):
+    """Forced tokens always pass, so a step takes a whole forced run (up to Engine.forced_limit), not K of it: with
+    K = 1 the schema's runs (`{"name": "`, `", "tags": [`) come as drafts of more than one token, the object is
+    the one plain decoding gives, in fewer steps than with K of them a step. A full batch still fits its rows."""
+    grammar = json_schema_grammar(SCHEMA)
+    params = [SamplingParams(max_new_tokens=120, temperature=1.0, seed=seed, grammar=grammar) for seed in range(4)]
+    plain, _, _, _ = run(engine_for(model_dir), ["Describe:"] * 4, params)
+    engine = engine_for(model_dir, "ngram", num_speculative_tokens=1)
+    assert engine.forced_limit > 1
+    forward, rows = engine.executor.forward, []
+    monkeypatch.setattr(engine.executor, "forward", lambda tokens, *rest: rows.append(len(tokens)) or forward(tokens, *rest))
+    got, _, drafts, _ = run(engine, ["Describe:"] * 4, params)
+    assert got == plain
+    assert max(rows) <= engine.executor.rows  # 4 slots x (1 + K): runs past K are cut to K where they would not fit
+    forced = [d for ds in drafts for d in ds if d.method == "grammar"]
+    assert max(d.proposed for d in forced) > 1 and all(d.accepted == d.proposed for d in forced)
+    _, _, _, steps_whole = run(engine_for(model_dir, "ngram", num_speculative_tokens=1), ["Describe:"], params[:1])
+    monkeypatch.setattr(type(engine), "forced_limit", property(lambda self: 1))  # the old cap: K forced tokens a step
+    _, _, _, steps_capped = run(engine_for(model_dir, "ngram", num_speculative_tokens=1), ["Describe:"], params[:1])
+    assert steps_whole < steps_capped
+
 def test_verified_rows_have_the_logits_of_tokens_decoded_one_by_one(model_dir):
     engine = engine_for(model_dir, "ngram")
     prompt, follow = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14]
