@@ -121,7 +121,10 @@ def one_stream(url: str, prompt: str, new_tokens: int, repeats: int) -> dict:
             await one_request(client, prompt, 8)  # warm-up
             return [await one_request(client, prompt, new_tokens) for _ in range(repeats)]
 
-    results = [r for r in asyncio.run(run()) if "error" not in r]
+    answers = asyncio.run(run())
+    results = [r for r in answers if "error" not in r]
+    if not results:
+        raise RuntimeError(f"no streamed completion from {url}: {[r['error'] for r in answers]}")
     gaps = [g for r in results for g in r["gaps"]]
     return {"tokens_per_s": statistics.median(len(r["gaps"]) / (r["e2e"] - r["ttft"]) for r in results),
             "inter_token_s": statistics.median(gaps), "ttft_s": statistics.median(r["ttft"] for r in results)}

@@ -1,20 +1,24 @@
 """kvserve and llama.cpp on the same GGUF files, side by side in one run: batch-1 and many-stream decode over HTTP,
 a long prompt's prefill over HTTP, llama-bench's tg and pp, resident memory, and the read-bandwidth floor.
 
-For each file: kvserve's server and llama-server (`-np N`) one after the other, each given the same streamed load
-(`/v1/completions`, greedy, `ignore_eos`); llama-bench's tg on the same file and threads; the machine's read rate
-as torch reads a large tensor, from which a token's floor is the file's bytes over that rate (every matrix is read
-once per step; a tied embedding is the LM head). Resident memory is each server's VmRSS once warm. Prefill is the
-time of a one-token completion of a prompt of about --prefill-tokens (each server says how many it counted),
-the best of three, each prompt opening with its own number so that no server reuses a cached prefix.
+For each file kvserve's server and llama-server (`-np N`) are up at once and take the same streamed load
+(`/v1/completions`, greedy, `ignore_eos`) in turn, round by round (--repeats rounds), each round also running
+llama-bench's tg and pp on the same file and threads and measuring the machine's read rate (torch summing a large
+tensor). A shared host's speed drifts by a third within minutes, so the ratios are taken within each round (paired)
+and their median reported; a token's read floor is the file's bytes over that round's read rate (every matrix is
+read once per step; a tied embedding is the LM head). Resident memory is each server's VmRSS once warm. Prefill is
+the time of a one-token completion of a prompt of about --prefill-tokens (each server says how many it counted),
+the best over the rounds, each prompt opening with its own number so that no server reuses a cached prefix.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -56,17 +60,36 @@ def many_streams(url: str, streams: int, new_tokens: int) -> float:
     return sum(len(r["gaps"]) + 1 for r in results if "error" not in r) / seconds
 
 
-def load(url: str, args: argparse.Namespace) -> dict:
-    result = {"one": one_stream(url, PROMPT, args.new_tokens, args.repeats),
-              "prefill": prefill(url, args.prefill_tokens)}
+def load_round(url: str, args: argparse.Namespace, number: int) -> dict:
+    """Round `number` of the load: one stream (a request of --new-tokens after a warm-up), the long prompt's prefill,
+    and each many-stream level."""
+    result = {"one": one_stream(url, PROMPT, args.new_tokens, 1),
+              "prefill": prefill(url, args.prefill_tokens, 1, first=2 * number)}
     for streams in args.streams[1:]:
         result[f"{streams} streams"] = many_streams(url, streams, args.new_tokens)
     return result
 
 
-def prefill(url: str, tokens: int, repeats: int = 3) -> dict:
+def combined(rounds: list[dict]) -> dict:
+    """A server's rounds as one result: medians of rates and gaps, the best prefill."""
+    median = lambda key, field=None: statistics.median(r[key] if field is None else r[key][field] for r in rounds)
+    result = {"one": {field: median("one", field) for field in rounds[0]["one"]},
+              "prefill": min(rounds, key=lambda r: r["prefill"]["seconds"])["prefill"]}
+    return result | {key: median(key) for key in rounds[0] if key.endswith("streams")}
+
+
+def paired(ours: list[dict], theirs: list[dict]) -> dict:
+    """kvserve / llama-server within each round, the median over rounds: rates (higher is better for kvserve) and
+    the prefill's time (lower is)."""
+    ratio = lambda get: statistics.median(get(a) / get(b) for a, b in zip(ours, theirs))
+    result = {"one stream": ratio(lambda r: r["one"]["tokens_per_s"]),
+              "prefill time": ratio(lambda r: r["prefill"]["seconds"])}
+    return result | {key: ratio(lambda r, key=key: r[key]) for key in ours[0] if key.endswith("streams")}
+
+
+def prefill(url: str, tokens: int, repeats: int = 3, first: int = 0) -> dict:
     """A one-token completion of a prompt of about `tokens` tokens: the best time of `repeats` and the prompt tokens
-    the server counted."""
+    the server counted. The prompts are numbered from `first` (no two of a run alike: no server reuses a prefix)."""
     def complete(prompt: str) -> tuple[float, int]:
         started = time.perf_counter()
         response = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0},
@@ -76,7 +99,7 @@ def prefill(url: str, tokens: int, repeats: int = 3) -> dict:
 
     _, per_sentence = complete(PROMPT)
     sentences = max(1, tokens // per_sentence)
-    runs = [complete(f"{i}. " + " ".join([PROMPT] * sentences)) for i in range(repeats + 1)][1:]  # the first warms
+    runs = [complete(f"{first + i}. " + " ".join([PROMPT] * sentences)) for i in range(repeats + 1)][1:]  # the first warms
     return {"seconds": min(s for s, _ in runs), "prompt_tokens": runs[0][1]}
 
 
@@ -93,47 +116,75 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
     server = argparse.Namespace(dtype="auto", max_batch_size=max(args.streams), compile=args.compile, model=str(gguf),
                                 quantize="auto", dense_copies="off")
     began = time.perf_counter()
-    with local_server(server, ["--prefix-caching", "off", "--max-seq-len", str(args.max_seq_len)], started) as url:
+    with contextlib.ExitStack() as servers:
+        urls = {"kvserve": servers.enter_context(local_server(
+            server, ["--prefix-caching", "off", "--max-seq-len", str(args.max_seq_len)], started))}
         ready = time.perf_counter() - began
-        info = httpx.get(f"{url}/info").json()
-        ours = load(url, args) | {"rss": resident_bytes(started[0].pid), "ready_s": ready,
-                                  "weights_served": info["weights_served"], "weights_bytes": info["weights_bytes"]}
-    result = {"file_bytes": gguf.stat().st_size, "kvserve": ours}
+        info = httpx.get(f"{urls['kvserve']}/info").json()
+        if args.llama_bin:
+            urls["llama-server"] = servers.enter_context(llama_server(
+                args.llama_bin / "llama-server", gguf, threads, slots=max(args.streams), started=started))
+        rounds = {name: [] for name in urls}
+        benches, rates = [], []
+        for number in range(args.repeats):
+            rates.append(read_rate())
+            for name, url in urls.items():
+                rounds[name].append(load_round(url, args, number))
+            if args.llama_bin:
+                benches.append(llama_bench(args.llama_bin / "llama-bench", gguf, threads, args.new_tokens,
+                                           args.prefill_tokens))
+        rss = {name: resident_bytes(process.pid) for name, process in zip(urls, started)}
+    floors = [gguf.stat().st_size / rate for rate in rates]  # seconds a token, round by round
+    of_floor = lambda per_second: statistics.median(floor * rate for floor, rate in zip(floors, per_second))
+    result = {"file_bytes": gguf.stat().st_size, "read_rates": rates, "rounds": rounds,
+              "of_read_floor": {name: of_floor([r["one"]["tokens_per_s"] for r in rounds[name]]) for name in urls},
+              "kvserve": combined(rounds["kvserve"]) | {"rss": rss["kvserve"], "ready_s": ready,
+                                                        "weights_served": info["weights_served"],
+                                                        "weights_bytes": info["weights_bytes"]}}
     if args.llama_bin:
-        server_binary = args.llama_bin / "llama-server"
-        theirs: list = []
-        with llama_server(server_binary, gguf, threads, slots=max(args.streams), started=theirs) as url:
-            result["llama-server"] = load(url, args) | {"rss": resident_bytes(theirs[0].pid)}
-        bench = llama_bench(args.llama_bin / "llama-bench", gguf, threads, args.new_tokens, args.prefill_tokens)
-        result["llama-bench tg"], result["llama-bench pp"] = bench["tg"], bench["pp"]
+        result["llama-server"] = combined(rounds["llama-server"]) | {"rss": rss["llama-server"]}
+        result["llama-bench tg"] = statistics.median(b["tg"] for b in benches)
+        result["llama-bench pp"] = statistics.median(b["pp"] for b in benches)
+        result["of_read_floor"]["llama-bench tg"] = of_floor([b["tg"] for b in benches])
+        result["kvserve / llama-server"] = paired(rounds["kvserve"], rounds["llama-server"])
+        result["kvserve / llama-bench tg"] = statistics.median(
+            r["one"]["tokens_per_s"] / b["tg"] for r, b in zip(rounds["kvserve"], benches))
     return result
 
 
 def rendered(payload: dict) -> str:
-    rate = payload["read_rate"]
-    rows, prompt = [], payload["prefill_tokens"]
+    rows, ratios, prompt = [], [], payload["prefill_tokens"]
     for name, result in payload["files"].items():
-        floor_s = result["file_bytes"] / rate
+        floor = result["of_read_floor"]
         for server in ("kvserve", "llama-server"):
             if server not in result:
                 continue
             r = result[server]
             one = r["one"]
-            per_token = 1 / one["tokens_per_s"]
             many = ", ".join(f"{k}: {v:.1f}" for k, v in r.items() if k.endswith("streams"))
             filled = r["prefill"]
             rows.append([name, server, f"{one['tokens_per_s']:.1f} ({one['inter_token_s'] * 1e3:.1f} ms)",
-                         f"{100 * floor_s / per_token:.0f}%", many,
+                         f"{100 * floor[server]:.0f}%", many,
                          f"{filled['seconds']:.2f} s ({filled['prompt_tokens']} tokens)", f"{r['rss'] / 1e9:.2f} GB"])
         if "llama-bench tg" in result:
             tg, pp = result["llama-bench tg"], result["llama-bench pp"]
-            rows.append([name, "llama-bench tg, pp", f"{tg:.1f}", f"{100 * floor_s * tg:.0f}%", "",
+            rows.append([name, "llama-bench tg, pp", f"{tg:.1f}", f"{100 * floor['llama-bench tg']:.0f}%", "",
                          f"{prompt / pp:.2f} s ({prompt} tokens)", ""])
+            pairs = result["kvserve / llama-server"]
+            ratios.append([name, f"{pairs['one stream']:.2f}x", f"{result['kvserve / llama-bench tg']:.2f}x",
+                           ", ".join(f"{k}: {v:.2f}x" for k, v in pairs.items() if k.endswith("streams")),
+                           f"{pairs['prefill time']:.2f}x",
+                           f"{result['kvserve']['rss'] / result['llama-server']['rss']:.2f}x"])
     table = markdown_table(["file", "server", "1 stream tok/s (inter-token)", "of the read floor",
                             "many streams tok/s", "prefill", "resident"], rows)
+    if ratios:
+        table += "\n\nkvserve / llama.cpp, paired within each round (median over rounds):\n\n" + markdown_table(
+            ["file", "1 stream vs llama-server", "vs llama-bench tg", "many streams", "prefill time", "resident"],
+            ratios)
+    rates = [rate / 1e9 for result in payload["files"].values() for rate in result["read_rates"]]
     served = {name: r["kvserve"]["weights_served"] for name, r in payload["files"].items()}
-    return (f"{machine_line(payload['machine'])}; read rate {rate / 1e9:.1f} GB/s, {payload['threads']} threads\n\n"
-            f"{table}\n\nkvserve serves: {json.dumps(served)}\n")
+    return (f"{machine_line(payload['machine'])}; read rate {min(rates):.1f}-{max(rates):.1f} GB/s over the rounds, "
+            f"{payload['threads']} threads\n\n{table}\n\nkvserve serves: {json.dumps(served)}\n")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -146,8 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         files = {label: measure(gguf, args, threads) for label, gguf in zip(labels, args.gguf)}
     finally:
         os.environ.pop("OMP_NUM_THREADS") if env is None else os.environ.update(OMP_NUM_THREADS=env)
-    payload = {"machine": machine(), "threads": threads, "read_rate": read_rate(),
-               "prefill_tokens": args.prefill_tokens, "files": files}
+    payload = {"machine": machine(), "threads": threads, "prefill_tokens": args.prefill_tokens, "files": files}
     table = rendered(payload)
     write_results(args.out, "quants", payload, table)
     print(table)

@@ -139,7 +139,7 @@ FLAGS = [
                          "from recently finished replies (suffix) or both (auto), and a grammar's forced tokens, and "
                          "keeps those the sampler would have produced; more tokens per step where text repeats its "
                          "input (quotes, code edits, repeated tool calls)"),
-    ("num_speculative_tokens", int, "drafts verified per request and step, at most (fewer where they do not pay)"),
+    ("num_speculative_tokens", int, "guessed drafts verified per request and step, at most (fewer where they do not pay; a grammar's forced run may be longer)"),
     ("ui", str, "on or off: GET / in a browser serves the playground (chat, tokens, the KV cache's slots live)"),
     ("tool_call_parser", str, "auto, hermes or llama3: how the model writes tool calls (<tool_call> blocks, or "
                               "Llama 3's bare JSON); auto reads it from the chat template"),

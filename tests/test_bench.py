@@ -178,6 +178,22 @@ def test_quants_serves_a_gguf_and_times_its_decode_streams_and_prefill(tmp_path,
     assert "| tiny.gguf | kvserve |" in (tmp_path / "quants.md").read_text()
 
 
+def test_quants_pairs_its_ratios_within_each_round():
+    """A drifting machine: round 2 runs both servers at half speed. Paired within rounds, the ratios stay what they
+    are in every round; rates are medians over the rounds, the prefill the best."""
+    from bench.quants import combined, paired
+
+    def round_of(rate: float, prefill_s: float, streams: float) -> dict:
+        return {"one": {"tokens_per_s": rate, "inter_token_s": 1 / rate, "ttft_s": 0.1},
+                "prefill": {"seconds": prefill_s, "prompt_tokens": 512}, "16 streams": streams}
+
+    ours = [round_of(40, 2.0, 160), round_of(20, 4.0, 80), round_of(40, 2.0, 160)]
+    theirs = [round_of(20, 4.0, 80), round_of(10, 8.0, 40), round_of(20, 4.0, 80)]
+    assert paired(ours, theirs) == {"one stream": 2.0, "prefill time": 0.5, "16 streams": 2.0}
+    assert combined(ours) == {"one": {"tokens_per_s": 40, "inter_token_s": 1 / 40, "ttft_s": 0.1},
+                              "prefill": {"seconds": 2.0, "prompt_tokens": 512}, "16 streams": 160}
+
+
 def test_spec_keeps_every_output_of_the_default_model(tmp_path):
     bench(tmp_path, "spec", "--compile", "off")
     payload = json.loads((tmp_path / "spec.json").read_text())
