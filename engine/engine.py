@@ -551,11 +551,9 @@ class Engine:
     def forced_limit(self) -> int:
         """A grammar's forced tokens one step verifies for a request, at most. They always pass, so a whole forced
         run (a JSON key with its quotes and colon, a tool call's envelope) takes one step rather than one per K: up
-        to MAX_SPECULATIVE_TOKENS and the rows a step runs (the slots' 1 + K each), or K where a ring holds only K
-        positions past its window."""
-        if self.cache.ring_window is not None:
-            return self.config.num_speculative_tokens
-        return max(self.config.num_speculative_tokens, min(MAX_SPECULATIVE_TOKENS, self.executor.rows - 1))
+        to MAX_SPECULATIVE_TOKENS, or K where a ring holds only K positions past its window (and past K, only the
+        step's spare rows: _drafts)."""
+        return self.config.num_speculative_tokens if self.cache.ring_window is not None else MAX_SPECULATIVE_TOKENS
 
     def _report_drafts(self, events: list[TokenEvent | RequestFailed], requests: dict[str, Request],
                        drafts: dict[str, tuple[str, list[int]]]) -> list[TokenEvent | RequestFailed]:
