@@ -57,7 +57,10 @@ def resident_bytes(pid: int) -> int:
 def many_streams(url: str, streams: int, new_tokens: int) -> float:
     """Tokens per second over 2·streams requests, `streams` at a time."""
     results, seconds = asyncio.run(level(url, streams, 2 * streams, PROMPT, new_tokens))
-    return sum(len(r["gaps"]) + 1 for r in results if "error" not in r) / seconds
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:  # a failed request's missing tokens would read as the server's slowness
+        raise RuntimeError(f"{len(errors)} of {len(results)} streams from {url} failed: {errors}")
+    return sum(len(r["gaps"]) + 1 for r in results) / seconds
 
 
 def load_round(url: str, args: argparse.Namespace, number: int) -> dict:

@@ -78,6 +78,14 @@ def local_server(args: argparse.Namespace, extra: list[str] = (), started: list 
         process.wait(60)
 
 
+def streaming_client(url: str, connections: int = 1) -> httpx.AsyncClient:
+    """A client whose every request opens its own connection: llama-server may close a kept-alive connection just
+    as the next request goes out on it, and httpx does not resend a streamed POST, so a reused connection fails the
+    peer's requests now and then (about one in ten back-to-back pairs here) and not for a server's own fault."""
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=0)
+    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
+
+
 async def one_request(client: httpx.AsyncClient, prompt: str, new_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": new_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
@@ -110,8 +118,7 @@ async def level(url: str, concurrency: int, requests: int, prompt: str, new_toke
         async with semaphore:
             return await one_request(client, prompt, new_tokens)
 
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with streaming_client(url, concurrency) as client:
         started = time.perf_counter()
         results = await asyncio.gather(*(limited(client) for _ in range(requests)))
         return results, time.perf_counter() - started
