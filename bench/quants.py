@@ -137,9 +137,10 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
                 benches.append(llama_bench(args.llama_bin / "llama-bench", gguf, threads, args.new_tokens,
                                            args.prefill_tokens))
         rss = {name: resident_bytes(process.pid) for name, process in zip(urls, started)}
-    floors = [gguf.stat().st_size / rate for rate in rates]  # seconds a token, round by round
+    size = gguf.stat().st_size
+    floors = [size / rate for rate in rates]  # seconds a token, round by round
     of_floor = lambda per_second: statistics.median(floor * rate for floor, rate in zip(floors, per_second))
-    result = {"file_bytes": gguf.stat().st_size, "read_rates": rates, "rounds": rounds,
+    result = {"file_bytes": size, "read_rates": rates, "rounds": rounds,
               "of_read_floor": {name: of_floor([r["one"]["tokens_per_s"] for r in rounds[name]]) for name in urls},
               "kvserve": combined(rounds["kvserve"]) | {"rss": rss["kvserve"], "ready_s": ready,
                                                         "weights_served": info["weights_served"],
