@@ -279,8 +279,8 @@ class SubBlock6Linear(WeightOnlyLinear):
         low = Codes4Linear.pack(codes & 15).view(tiles, groups, 4 * 64)
         high = (codes >> 4).view(tiles, self.TILE, groups, 4, 2, 4)  # (tile, row, group, run k, nibble, input)
         high = high.permute(0, 2, 3, 1, 5, 4)  # (tile, group, run, row, input, nibble): a run's byte order
-        high = (high[..., 0] | high[..., 1] << 2).reshape(tiles, groups, 4, 64)  # a run byte's 4 high bits
-        high = high[..., :32] | high[..., 32:] << 4  # (tile, group, run, 32): bytes b and b + 32 of the run
+        high = (high[..., 0] | high[..., 1] << 2).reshape(tiles, groups, 2, 2, 64)  # a run byte's 4 high bits
+        high = high[:, :, :, 0] | high[:, :, :, 1] << 4  # (tile, group, plane j, 64): runs 2j and 2j + 1, byte by byte
         self.register_buffer("packed", torch.cat([low, high.reshape(tiles, groups, 128)], dim=-1).reshape(tiles, -1))
         self.register_buffer("scale", tiles_of(weight.scale, self.TILE))  # (tile, group · 2, row)
         self.register_buffer("block_scale", tiles_of(weight.block_scale, self.TILE))  # (tile, block, row)
@@ -298,9 +298,9 @@ class SubBlock6Linear(WeightOnlyLinear):
         tile, row = ids // self.TILE, ids % self.TILE
         per_group = self.packed.view(self.packed.shape[0], -1, 384)  # (tile, group, 256 bytes of low bits + 128 of high)
         low = Codes4Linear.row_codes(per_group[..., :256], tile, row)
-        # Row r's input i of a run is run byte 4r + i: byte 4·(r mod 8) + i of the run's 32, its bits 4·(r div 8) on.
-        high = per_group[..., 256:].reshape(self.packed.shape[0], -1, 4, 8, 4)[tile, :, :, row % 8]  # (n, group, run, 4)
-        high = high >> (4 * (row // 8)).to(torch.uint8).view(-1, 1, 1, 1) & 15
+        # Row r's input i of a run is run byte 4r + i: byte 4r + i of its plane, runs 2j and 2j + 1 at bits 0 and 4.
+        high = per_group[..., 256:].reshape(self.packed.shape[0], -1, 2, 16, 4)[tile, :, :, row]  # (n, group, plane, 4)
+        high = torch.stack([high & 15, high >> 4], dim=-2)  # (n, group, run, 4): a run byte's 4 high bits
         high = torch.stack([high & 3, high >> 2], dim=-2).reshape(low.shape)  # (n, in): as `nibbles` orders
         codes = (low | high << 4).float().view(len(ids), -1, SubBlockCodes.SUB_BLOCK) - 32  # (n, sub-block, 16)
         scale = self.block_scale[tile, :, row].float().repeat_interleave(SUPER_BLOCK // SubBlockCodes.SUB_BLOCK, dim=1)

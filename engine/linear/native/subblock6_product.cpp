@@ -9,10 +9,12 @@
 // super-block, inside int32.
 //
 // Layout (made by engine/linear/quantized.py): tiles of 16 output rows; per tile and group, 384 bytes: the codes'
-// low 4 bits as codes4_product.cpp packs 4-bit codes (256 bytes, four runs of 64), then their high 2 bits in four
-// runs of 32: byte b of run k holds, in its low nibble, the high bits of run k's byte b (bits 0-1: its low nibble's
-// input, 2-3: its high nibble's) and in its high nibble those of byte b + 32. scale: int8 (tiles, groups, 2, 16),
-// each half's sc per row; d: float16 (tiles, groups / 8, 16).
+// low 4 bits as codes4_product.cpp packs 4-bit codes (256 bytes, four runs of 64), then their high 2 bits in two
+// planes of 64: byte b of plane j holds, in its low nibble, the high bits of run 2j's byte b (bits 0-1: its low
+// nibble's input, 2-3: its high nibble's) and in its high nibble those of run 2j + 1's byte b. A plane's field then
+// reaches bits 4-5 of its code by one shift and one mask, each byte's on its own (AVX2 reads a part's half of the
+// runs and of the planes alike). scale: int8 (tiles, groups, 2, 16), each half's sc per row; d: float16
+// (tiles, groups / 8, 16).
 #include <torch/library.h>
 
 #include "super_block.h"
@@ -25,27 +27,37 @@ struct Codes6Tile {
   static constexpr int32_t kCentre = 32;
 
   // As Codes4Tile's operands, each byte completed by its two high bits: w[2k] inputs 8k..8k+3, w[2k+1] 8k+4..8k+7.
+  // High-bit byte b of plane j holds those of runs 2j and 2j + 1 at their byte b, in 2-bit fields from bit 0: run
+  // 2j's low-nibble code, its high-nibble code, then run 2j + 1's two. Each field is moved to bits 4-5 (a 16-bit
+  // shift whose spill across bytes the mask clears) and joined to its nibble.
   static void operands(const uint8_t* bytes, int part, Operand (&w)[8]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const Operand nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03), upper_two = _mm512_set1_epi8(0x0C);
-    for (int k = 0; k < 4; ++k) {
-      const Operand run = _mm512_loadu_si512(bytes + 64 * k);
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 256 + 32 * k));
-      const Operand high = _mm512_and_si512(nibble, _mm512_inserti64x4(_mm512_castsi256_si512(packed),
-                                                                        _mm256_srli_epi16(packed, 4), 1));
-      w[2 * k] = _mm512_or_si512(_mm512_and_si512(run, nibble), _mm512_slli_epi16(_mm512_and_si512(high, two), 4));
-      w[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(run, 4), nibble),
-                                     _mm512_slli_epi16(_mm512_and_si512(high, upper_two), 2));
+    const Operand nibble = _mm512_set1_epi8(0x0F), field = _mm512_set1_epi8(0x30);
+    constexpr int kNibbleOrHigh = 0xEC;  // vpternlogd: (a & c) | b, a the codes, b the high bits, c the nibble mask
+    for (int j = 0; j < 2; ++j) {
+      const Operand high = _mm512_loadu_si512(bytes + 256 + 64 * j);
+      const Operand first = _mm512_loadu_si512(bytes + 128 * j), second = _mm512_loadu_si512(bytes + 128 * j + 64);
+      w[4 * j] = _mm512_ternarylogic_epi32(first, _mm512_and_si512(_mm512_slli_epi16(high, 4), field), nibble, kNibbleOrHigh);
+      w[4 * j + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(first, 4),
+                                               _mm512_and_si512(_mm512_slli_epi16(high, 2), field), nibble, kNibbleOrHigh);
+      w[4 * j + 2] = _mm512_ternarylogic_epi32(second, _mm512_and_si512(high, field), nibble, kNibbleOrHigh);
+      w[4 * j + 3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(second, 4),
+                                               _mm512_and_si512(_mm512_srli_epi16(high, 2), field), nibble, kNibbleOrHigh);
     }
 #else
-    const Operand nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03), upper_two = _mm256_set1_epi8(0x0C);
-    for (int k = 0; k < 4; ++k) {
-      const Operand run = _mm256_loadu_si256(reinterpret_cast<const Operand*>(bytes + 64 * k + 32 * part));
-      const Operand packed = _mm256_loadu_si256(reinterpret_cast<const Operand*>(bytes + 256 + 32 * k));
-      const Operand high = _mm256_and_si256(part ? _mm256_srli_epi16(packed, 4) : packed, nibble);
-      w[2 * k] = _mm256_or_si256(_mm256_and_si256(run, nibble), _mm256_slli_epi16(_mm256_and_si256(high, two), 4));
-      w[2 * k + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(run, 4), nibble),
-                                     _mm256_slli_epi16(_mm256_and_si256(high, upper_two), 2));
+    const Operand nibble = _mm256_set1_epi8(0x0F), field = _mm256_set1_epi8(0x30);
+    const auto join = [&](Operand codes, Operand high) {
+      return _mm256_or_si256(_mm256_and_si256(codes, nibble), _mm256_and_si256(high, field));
+    };
+    for (int j = 0; j < 2; ++j) {
+      const auto at = [&](int64_t offset) {
+        return _mm256_loadu_si256(reinterpret_cast<const Operand*>(bytes + offset + 32 * part));
+      };
+      const Operand high = at(256 + 64 * j), first = at(128 * j), second = at(128 * j + 64);
+      w[4 * j] = join(first, _mm256_slli_epi16(high, 4));
+      w[4 * j + 1] = join(_mm256_srli_epi16(first, 4), _mm256_slli_epi16(high, 2));
+      w[4 * j + 2] = join(second, high);
+      w[4 * j + 3] = join(_mm256_srli_epi16(second, 4), _mm256_srli_epi16(high, 2));
     }
 #endif
   }
