@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     quants.add_argument("--max-seq-len", type=int, default=1024,
                         help="kvserve's positions per slot (llama-server's slots hold 1024, as here by default)")
     quants.add_argument("--repeats", type=int, default=3)
+    quants.add_argument("--turns", type=int, default=8,
+                        help="one stream again, a request to each server and a llama-bench tg run in turn, this "
+                             "many turns (0: none)")
     quants.add_argument("--compile", choices=("auto", "on", "off"), default="on")
 
     spec = command("spec", help="speculative decoding vs none: tasks that quote their input, JSON, free chat, mixed "

@@ -5,10 +5,13 @@ For each file kvserve's server and llama-server (`-np N`) are up at once and tak
 (`/v1/completions`, greedy, `ignore_eos`) in turn, round by round (--repeats rounds), each round also running
 llama-bench's tg and pp on the same file and threads and measuring the machine's read rate (torch summing a large
 tensor). A shared host's speed drifts by a third within minutes, so the ratios are taken within each round (paired)
-and their median reported; a token's read floor is the file's bytes over that round's read rate (every matrix is
-read once per step; a tied embedding is the LM head). Resident memory is each server's VmRSS once warm. Prefill is
-the time of a one-token completion of a prompt of about --prefill-tokens (each server says how many it counted),
-the best over the rounds, each prompt opening with its own number so that no server reuses a cached prefix.
+and their median reported. One stream is compared finer still (--turns): a request to each server and a
+llama-bench tg run, in turn, the order rotated each turn, the ratios taken within each turn (the read rate moves
+within seconds: whole runs minutes apart gave 0.84x and 1.11x llama-bench for one file). A token's read floor is
+the file's bytes over that round's read rate (every matrix is read once per step; a tied embedding is the LM head).
+Resident memory is each server's VmRSS once warm. Prefill is the time of a one-token completion of a prompt of about
+--prefill-tokens (each server says how many it counted), the best over the rounds, each prompt opening with its own
+number so that no server reuses a cached prefix.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import torch
@@ -106,12 +110,26 @@ def prefill(url: str, tokens: int, repeats: int = 3, first: int = 0) -> dict:
     return {"seconds": min(s for s, _ in runs), "prompt_tokens": runs[0][1]}
 
 
-def llama_bench(binary: Path, gguf: Path, threads: int, new_tokens: int, prompt_tokens: int) -> dict:
-    """llama-bench's tg`new_tokens` and pp`prompt_tokens`: tokens per second."""
+def llama_bench(binary: Path, gguf: Path, threads: int, new_tokens: int, prompt_tokens: int = 0,
+                repetitions: int = 5) -> dict:
+    """llama-bench's tg`new_tokens` and, where prompt_tokens, pp`prompt_tokens`: tokens per second."""
     out = subprocess.run([str(binary), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(new_tokens),
-                          "-t", str(threads), "-o", "json"], capture_output=True, text=True, check=True).stdout
+                          "-t", str(threads), "-r", str(repetitions), "-o", "json"], capture_output=True, text=True,
+                         check=True).stdout
     rates = {(run["n_prompt"], run["n_gen"]): float(run["avg_ts"]) for run in json.loads(out)}
-    return {"tg": rates[(0, new_tokens)], "pp": rates[(prompt_tokens, 0)]}
+    return {"tg": rates[(0, new_tokens)]} | ({"pp": rates[(prompt_tokens, 0)]} if prompt_tokens else {})
+
+
+def alternated(runs: dict[str, Callable[[], float]], turns: int) -> list[dict[str, float]]:
+    """Each run's rate once per turn, `turns` turns, the order rotated by one each turn (no run always first)."""
+    names = list(runs)
+    order = lambda turn: names[turn % len(names):] + names[:turn % len(names)]
+    return [{name: runs[name]() for name in order(turn)} for turn in range(turns)]
+
+
+def ratios_within_turns(turns: list[dict[str, float]], ours: str = "kvserve") -> dict[str, float]:
+    """ours / each other run, within each turn; the median over the turns."""
+    return {name: statistics.median(turn[ours] / turn[name] for turn in turns) for name in turns[0] if name != ours}
 
 
 def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
@@ -137,6 +155,13 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
                 benches.append(llama_bench(args.llama_bin / "llama-bench", gguf, threads, args.new_tokens,
                                            args.prefill_tokens))
         rss = {name: resident_bytes(process.pid) for name, process in zip(urls, started)}
+        turns = []
+        if args.llama_bin and args.turns:
+            runs = {name: (lambda url=url: one_stream(url, PROMPT, args.new_tokens, 1)["tokens_per_s"])
+                    for name, url in urls.items()}
+            runs["llama-bench tg"] = lambda: llama_bench(args.llama_bin / "llama-bench", gguf, threads,
+                                                         args.new_tokens, repetitions=1)["tg"]
+            turns = alternated(runs, args.turns)
     size = gguf.stat().st_size
     floors = [size / rate for rate in rates]  # seconds a token, round by round
     of_floor = lambda per_second: statistics.median(floor * rate for floor, rate in zip(floors, per_second))
@@ -153,6 +178,8 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
         result["kvserve / llama-server"] = paired(rounds["kvserve"], rounds["llama-server"])
         result["kvserve / llama-bench tg"] = statistics.median(
             r["one"]["tokens_per_s"] / b["tg"] for r, b in zip(rounds["kvserve"], benches))
+        if turns:
+            result["one stream, turn by turn"] = {"turns": turns, "kvserve / ...": ratios_within_turns(turns)}
     return result
 
 
@@ -175,14 +202,18 @@ def rendered(payload: dict) -> str:
             rows.append([name, "llama-bench tg, pp", f"{tg:.1f}", f"{100 * floor['llama-bench tg']:.0f}%", "",
                          f"{prompt / pp:.2f} s ({prompt} tokens)", ""])
             pairs = result["kvserve / llama-server"]
-            ratios.append([name, f"{pairs['one stream']:.2f}x", f"{result['kvserve / llama-bench tg']:.2f}x",
+            by_turn = result.get("one stream, turn by turn", {}).get("kvserve / ...")
+            one = lambda ratio, peer: f"{ratio:.2f}x" + (f" ({by_turn[peer]:.2f}x)" if by_turn else "")
+            ratios.append([name, one(pairs["one stream"], "llama-server"),
+                           one(result["kvserve / llama-bench tg"], "llama-bench tg"),
                            ", ".join(f"{k}: {v:.2f}x" for k, v in pairs.items() if k.endswith("streams")),
                            f"{pairs['prefill time']:.2f}x",
                            f"{result['kvserve']['rss'] / result['llama-server']['rss']:.2f}x"])
     table = markdown_table(["file", "server", "1 stream tok/s (inter-token)", "of the read floor",
                             "many streams tok/s", "prefill", "resident"], rows)
     if ratios:
-        table += "\n\nkvserve / llama.cpp, paired within each round (median over rounds):\n\n" + markdown_table(
+        table += ("\n\nkvserve / llama.cpp, paired within each round (median over rounds); in brackets, one stream "
+                  "turn by turn (median over --turns turns):\n\n") + markdown_table(
             ["file", "1 stream vs llama-server", "vs llama-bench tg", "many streams", "prefill time", "resident"],
             ratios)
     rates = [rate / 1e9 for result in payload["files"].values() for rate in result["read_rates"]]

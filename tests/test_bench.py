@@ -194,6 +194,27 @@ def test_quants_pairs_its_ratios_within_each_round():
                               "prefill": {"seconds": 2.0, "prompt_tokens": 512}, "16 streams": 160}
 
 
+def test_quants_alternates_its_one_stream_runs_and_pairs_them_within_each_turn():
+    """The machine halves its speed from the second turn on: within a turn, kvserve and its peers meet the same
+    speed, so the ratios stay exact; the order rotates, so no run is always the first of its turn."""
+    from bench.quants import alternated, ratios_within_turns
+
+    calls: list[str] = []
+
+    def run(name: str, rate: float):
+        def timed() -> float:
+            calls.append(name)
+            return rate / (1 if len(calls) <= 3 else 2)
+        return timed
+
+    turns = alternated({"kvserve": run("kvserve", 60), "llama-server": run("llama-server", 40),
+                        "llama-bench tg": run("llama-bench tg", 50)}, 3)
+    assert calls == ["kvserve", "llama-server", "llama-bench tg", "llama-server", "llama-bench tg", "kvserve",
+                     "llama-bench tg", "kvserve", "llama-server"]
+    assert turns[1] == {"llama-server": 20, "llama-bench tg": 25, "kvserve": 30}
+    assert ratios_within_turns(turns) == {"llama-server": 1.5, "llama-bench tg": 1.2}
+
+
 def test_spec_keeps_every_output_of_the_default_model(tmp_path):
     bench(tmp_path, "spec", "--compile", "off")
     payload = json.loads((tmp_path / "spec.json").read_text())
