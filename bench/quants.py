@@ -7,7 +7,9 @@ llama-bench's tg and pp on the same file and threads and measuring the machine's
 tensor). A shared host's speed drifts by a third within minutes, so the ratios are taken within each round (paired)
 and their median reported. One stream is compared finer still (--turns): a request to each server and a
 llama-bench tg run, in turn, the order rotated each turn, the ratios taken within each turn (the read rate moves
-within seconds: whole runs minutes apart gave 0.84x and 1.11x llama-bench for one file). A token's read floor is
+within seconds: whole runs minutes apart gave 0.84x and 1.11x llama-bench for one file). The turns also decode the
+same prompt in this process, on kvserve's engine alone (no server, no HTTP): the server's share of a stream's time
+and the engine's own ratio to llama-bench then come from the same turns. A token's read floor is
 the file's bytes over that round's read rate (every matrix is read once per step; a tied embedding is the LM head).
 Resident memory is each server's VmRSS once warm. Prefill is the time of a one-token completion of a prompt of about
 --prefill-tokens (each server says how many it counted), the best over the rounds, each prompt opening with its own
@@ -127,6 +129,34 @@ def alternated(runs: dict[str, Callable[[], float]], turns: int) -> list[dict[st
     return [{name: runs[name]() for name in order(turn)} for turn in range(turns)]
 
 
+def engine_rate(engine, prompt: str, new_tokens: int) -> float:
+    """One greedy stream decoded by `engine` in this process: tokens per second after the first, as one_stream
+    counts a server's (the first token is the prompt's pass)."""
+    from engine import SamplingParams
+
+    engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_new_tokens=new_tokens, temperature=0,
+                                                                      ignore_eos=True))
+    engine.step()  # the prompt's pass and the first token
+    started, steps = time.perf_counter(), 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - started)
+
+
+def local_engine(gguf: Path, args: argparse.Namespace):
+    """The file's engine in this process, one slot, configured and compiled as `measure` starts the server."""
+    from engine import EngineConfig
+    from weights.loading import load_engine
+    from weights.resolve import resolve_model
+
+    config = EngineConfig(device="cpu", max_batch_size=1, max_seq_len=args.max_seq_len, prefix_caching=False,
+                          compile=args.compile, seed=0)
+    engine = load_engine(resolve_model(str(gguf), progress=False), config)
+    engine.compile()
+    return engine
+
+
 def ratios_within_turns(turns: list[dict[str, float]], ours: str = "kvserve") -> dict[str, float]:
     """ours / each other run, within each turn; the median over the turns."""
     return {name: statistics.median(turn[ours] / turn[name] for turn in turns) for name in turns[0] if name != ours}
@@ -161,6 +191,9 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
                     for name, url in urls.items()}
             runs["llama-bench tg"] = lambda: llama_bench(args.llama_bin / "llama-bench", gguf, threads,
                                                          args.new_tokens, repetitions=1)["tg"]
+            engine = local_engine(gguf, args)  # after the rounds: the resident memory they measured is the servers'
+            runs["kvserve engine"] = lambda: engine_rate(engine, PROMPT, args.new_tokens)
+            engine_rate(engine, PROMPT, 8)  # warm, as one_stream warms each server
             turns = alternated(runs, args.turns)
     size = gguf.stat().st_size
     floors = [size / rate for rate in rates]  # seconds a token, round by round
@@ -179,7 +212,8 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
         result["kvserve / llama-bench tg"] = statistics.median(
             r["one"]["tokens_per_s"] / b["tg"] for r, b in zip(rounds["kvserve"], benches))
         if turns:
-            result["one stream, turn by turn"] = {"turns": turns, "kvserve / ...": ratios_within_turns(turns)}
+            result["one stream, turn by turn"] = {"turns": turns, "kvserve / ...": ratios_within_turns(turns),
+                                                  "kvserve engine / ...": ratios_within_turns(turns, "kvserve engine")}
     return result
 
 
@@ -216,6 +250,14 @@ def rendered(payload: dict) -> str:
                   "turn by turn (median over --turns turns):\n\n") + markdown_table(
             ["file", "1 stream vs llama-server", "vs llama-bench tg", "many streams", "prefill time", "resident"],
             ratios)
+    engines = [[name, f"{by_turn['llama-bench tg']:.2f}x", f"{by_turn['llama-server']:.2f}x",
+                f"{result['one stream, turn by turn']['kvserve / ...']['kvserve engine']:.2f}x"]
+               for name, result in payload["files"].items()
+               if (by_turn := result.get("one stream, turn by turn", {}).get("kvserve engine / ..."))]
+    if engines:
+        table += ("\n\nOne stream turn by turn, kvserve's engine alone in the bench's process (no server, no HTTP), "
+                  "median over the turns:\n\n") + markdown_table(
+            ["file", "engine / llama-bench tg", "engine / llama-server", "kvserve's server / its engine"], engines)
     rates = [rate / 1e9 for result in payload["files"].values() for rate in result["read_rates"]]
     served = {name: r["kvserve"]["weights_served"] for name, r in payload["files"].items()}
     return (f"{machine_line(payload['machine'])}; read rate {min(rates):.1f}-{max(rates):.1f} GB/s over the rounds, "

@@ -178,6 +178,27 @@ def test_quants_serves_a_gguf_and_times_its_decode_streams_and_prefill(tmp_path,
     assert "| tiny.gguf | kvserve |" in (tmp_path / "quants.md").read_text()
 
 
+def test_quants_turns_decode_one_stream_on_the_engine_alone(tmp_path, tiny_dir, monkeypatch):
+    """The turns' run without a server: the file's engine in the bench's process decodes the bench's prompt to
+    --new-tokens greedy tokens, one step each, its rate the tokens after the first over the time after the first
+    (as a server's stream is counted)."""
+    import argparse
+    import types
+
+    from bench import quants
+    from tests.test_gguf import write_gguf
+
+    write_gguf(tiny_dir, tmp_path / "tiny.gguf")
+    clock = iter([10.0, 12.0])  # the bench's clock only: the engine keeps its own
+    monkeypatch.setattr(quants, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    engine = quants.local_engine(tmp_path / "tiny.gguf", argparse.Namespace(max_seq_len=256, compile="off"))
+    steps = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+    assert quants.engine_rate(engine, quants.PROMPT, 8) == 7 / 2.0
+    assert len(steps) == 8 and not engine.has_work
+
+
 def test_quants_pairs_its_ratios_within_each_round():
     """A drifting machine: round 2 runs both servers at half speed. Paired within rounds, the ratios stay what they
     are in every round; rates are medians over the rounds, the prefill the best."""
