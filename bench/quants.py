@@ -132,16 +132,11 @@ def alternated(runs: dict[str, Callable[[], float]], turns: int) -> list[dict[st
 def engine_rate(engine, prompt: str, new_tokens: int) -> float:
     """One greedy stream decoded by `engine` in this process: tokens per second after the first, as one_stream
     counts a server's (the first token is the prompt's pass)."""
+    from bench.spec import decoded
     from engine import SamplingParams
 
-    engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_new_tokens=new_tokens, temperature=0,
-                                                                      ignore_eos=True))
-    engine.step()  # the prompt's pass and the first token
-    started, steps = time.perf_counter(), 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-    return steps / (time.perf_counter() - started)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    return decoded(engine, [(engine.tokenizer.encode(prompt), params)])[0]
 
 
 def local_engine(gguf: Path, args: argparse.Namespace):

@@ -189,8 +189,10 @@ def test_quants_turns_decode_one_stream_on_the_engine_alone(tmp_path, tiny_dir, 
     from tests.test_gguf import write_gguf
 
     write_gguf(tiny_dir, tmp_path / "tiny.gguf")
-    clock = iter([10.0, 12.0])  # the bench's clock only: the engine keeps its own
-    monkeypatch.setattr(quants, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    from bench import spec
+
+    clock = iter([9.0, 10.0, 12.0])  # the bench's clock only (start, first token, end): the engine keeps its own
+    monkeypatch.setattr(spec, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     engine = quants.local_engine(tmp_path / "tiny.gguf", argparse.Namespace(max_seq_len=256, compile="off"))
     steps = []
     step = engine.step
