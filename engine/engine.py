@@ -549,10 +549,10 @@ class Engine:
 
     @property
     def forced_limit(self) -> int:
-        """A grammar's forced tokens one step verifies for a request, at most. They always pass, so a whole forced
-        run (a JSON key with its quotes and colon, a tool call's envelope) takes one step rather than one per K: up
-        to MAX_SPECULATIVE_TOKENS, or K where a ring holds only K positions past its window (and past K, only the
-        step's spare rows: _drafts)."""
+        """A grammar's forced tokens one step verifies for a request, at most. They nearly always pass, so a whole
+        forced run (a JSON key with its quotes and colon, a tool call's envelope) takes one step rather than one per
+        K: up to MAX_SPECULATIVE_TOKENS, or K where a ring holds only K positions past its window (and past K, only
+        the step's spare rows: _drafts)."""
         return self.config.num_speculative_tokens if self.cache.ring_window is not None else MAX_SPECULATIVE_TOKENS
 
     def _report_drafts(self, events: list[TokenEvent | RequestFailed], requests: dict[str, Request],
@@ -595,7 +595,7 @@ class Engine:
         if room <= 0:
             return None
         if request.grammar is not None and not (request.grammar.is_stopped() or request.grammar.is_error()):
-            forced = request.grammar.compute_ff_tokens()[:min(room, self.forced_limit)]
+            forced = self.grammars.forced(request.grammar)[:min(room, self.forced_limit)]
             if forced:
                 return "grammar", forced
         room = min(room, self.config.num_speculative_tokens)

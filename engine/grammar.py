@@ -98,6 +98,18 @@ class Grammars:
         """A matcher of its own for one sequence, at the grammar's start."""
         return self.compile(grammar).deep_copy()
 
+    def forced(self, matcher: LLMatcher) -> list[int]:
+        """Tokens to draft where the grammar fixes what comes next: llguidance's forced tokens (the only tokens it
+        allows), then the bytes it forces past them split as the tokenizer splits them. The grammar fixes those bytes,
+        not their tokens: the model may spell them in other tokens (`":` then `"` for `":"`), or merge the last with
+        what follows (`["` for `[`), so these are drafts that may fail, where forced tokens never do."""
+        tokens = matcher.compute_ff_tokens()
+        spelled = bytes(self.tokenizer.decode_bytes(tokens))
+        forced = matcher.compute_ff_bytes()
+        if len(forced) <= len(spelled) or not forced.startswith(spelled):
+            return tokens
+        return tokens + self.tokenizer.tokenize_bytes(forced[len(spelled):])
+
 
 def short(error: str) -> str:
     """llguidance's error message without the parser state it may append (a block from a line that opens "<")."""
