@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_argument("--dtype", default="auto")
     spec.add_argument("--compile", default="on", choices=["auto", "on", "off"])
     spec.add_argument("--speculative", default="auto", choices=["ngram", "suffix", "auto"])
-    spec.add_argument("--num-speculative-tokens", type=int, default=3)
+    spec.add_argument("--num-speculative-tokens", type=int, default=4)
     spec.add_argument("--streams", type=int, default=16, help="requests of the mixed load, decoded side by side")
     spec.add_argument("--max-tokens", type=int, default=200)
-    spec.add_argument("--repeats", type=int, default=2)
+    spec.add_argument("--repeats", type=int, default=5, help="pairs of runs, without then with speculation")
     spec.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-server: its n-gram speculation "
                                                      "on the same GGUF as the reference")
     spec.add_argument("--gguf", type=Path, help="the GGUF file llama-server reads (default: the model's model.gguf)")

@@ -1,9 +1,9 @@
 """Speculative decoding: tokens per second with drafts verified vs without, on tasks whose output can and cannot be
 guessed from their input, and whether the output stayed the same.
 
-Two engines on the same model, side by side in one process: plain decoding and speculation on; the second must
-reproduce the first's tokens exactly (on a quantized model, compiled or not: every graph gives a row the eager
-step's bits). A single stream's rate is
+Two engines on the same model, side by side in one process: plain decoding and speculation on, their runs
+alternated (the speedup is the median of each pair's ratio); the second must reproduce the first's tokens exactly
+(on a quantized model, compiled or not: every graph gives a row the eager step's bits). A single stream's rate is
 its decode rate (the tokens after the first over the time after it); the mixed streams' is their tokens over the
 steps in which every stream has a request in the engine (each sends its next request as its last ends). Each run
 starts with an empty suffix index: a repeated request is drafted from its own history, as a new one is (the mixed
@@ -81,17 +81,23 @@ def run(args: argparse.Namespace) -> dict:
     def params(name: str) -> SamplingParams:
         return SamplingParams(**({"max_new_tokens": max_tokens, "temperature": 0} | chosen[name][1]))
 
-    def timed(target, measure, load):
-        rates, ids = [], None
+    def paired(measure, load) -> tuple[list[float], list[float], bool, list[list[int]]]:
+        """Runs of the load without and with speculation, one after the other: (plain rates, speculative rates,
+        whether every speculative run's tokens were the plain runs', the tokens). A pair runs in the same stretch
+        of a shared machine, whose speed moves by tens of percent within minutes: the speedup is the median of
+        the pairs' ratios."""
+        plain_rates, rates, same, ids = [], [], True, None
         for _ in range(1 if args.quick else args.repeats):
-            target.forget_replies()  # else `auto` drafts a repeated request from its own earlier reply
-            rate, ids = measure(target, load)
+            fast.forget_replies()  # else `auto` drafts a repeated request from its own earlier reply
+            plain_rate, ids = measure(plain, load)
+            rate, got = measure(fast, load)
+            plain_rates.append(plain_rate)
             rates.append(rate)
-        return statistics.median(rates), ids
+            same = same and got == ids
+        return plain_rates, rates, same, ids
 
     warm = [(prompts["chat"], SamplingParams(max_new_tokens=8, temperature=0))]
-    for target in (plain, fast):
-        timed(target, decoded, warm)
+    paired(decoded, warm)
     rows, results = [], {}
     # Stream s's i-th request is MIXED's task s + i (in turn, wrapping), one request after another.
     mixed = [[(prompts[MIXED[(s + i) % len(MIXED)]], params(MIXED[(s + i) % len(MIXED)])) for i in range(MIXED_ROUNDS)]
@@ -100,14 +106,16 @@ def run(args: argparse.Namespace) -> dict:
         f"{streams} streams, mixed": (streamed, mixed)}
     for name, (measure, load) in loads.items():
         before = fast.draft_totals
-        plain_rate, plain_ids = timed(plain, measure, load)
-        rate, ids = timed(fast, measure, load)
+        plain_rates, rates, same, ids = paired(measure, load)
         drafted, kept = (a - b for a, b in zip(fast.draft_totals, before))
-        results[name] = {"plain_tok_s": plain_rate, "speculative_tok_s": rate, "speedup": rate / plain_rate,
+        plain_rate, rate = statistics.median(plain_rates), statistics.median(rates)
+        ratios = [s / p for p, s in zip(plain_rates, rates)]
+        results[name] = {"plain_tok_s": plain_rate, "speculative_tok_s": rate, "speedup": statistics.median(ratios),
+                         "pairs": [[p, s] for p, s in zip(plain_rates, rates)],
                          "tokens": sum(map(len, ids)), "draft_tokens": drafted, "accepted_tokens": kept,
-                         "identical": ids == plain_ids}
-        rows.append([name, f"{plain_rate:.1f}", f"{rate:.1f}", f"{rate / plain_rate:.2f}x", f"{kept}/{drafted}",
-                     "yes" if ids == plain_ids else "NO"])
+                         "identical": same}
+        rows.append([name, f"{plain_rate:.1f}", f"{rate:.1f}", f"{statistics.median(ratios):.2f}x",
+                     f"{min(ratios):.2f}-{max(ratios):.2f}x", f"{kept}/{drafted}", "yes" if same else "NO"])
     reference = {}
     if args.llama_bin:
         gguf = args.gguf or path / "model.gguf"
@@ -133,9 +141,10 @@ def run(args: argparse.Namespace) -> dict:
     table = "\n".join([
         f"# Speculative decoding ({args.speculative}, up to {args.num_speculative_tokens} drafts a step) vs none "
         f"({'compiled' if fast.compiled_graphs else 'eager'} decode, greedy but json, median of "
-        f"{1 if args.quick else args.repeats} runs)", "", machine_line(payload["machine"]), "",
-        markdown_table(["load", "plain tok/s", "speculative tok/s", "speedup", "kept/drafted",
-                        "same tokens"]
+        f"{1 if args.quick else args.repeats} pairs of runs, each without then with)", "",
+        machine_line(payload["machine"]), "",
+        markdown_table(["load", "plain tok/s", "speculative tok/s", "speedup (median of pairs)", "pairs",
+                        "kept/drafted", "same tokens"]
                        + (["llama-server n-gram tok/s (vs its plain)", "kvserve / llama-server n-gram"]
                           if reference else []), rows), "",
         f"A decode step's cost fit in its rows (seconds): {fast.speculation['step_seconds']}.",
