@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 
 from engine.batch import PrefillBatch
-from engine.drafts import NGRAM_SIZES, SPECULATIVE_MODES, DraftBudget, NgramIndex, StepCosts, SuffixCorpus
+from engine.drafts import NGRAM_SIZES, SPECULATIVE_MODES, MatchBudgets, NgramIndex, StepCosts, SuffixCorpus
 from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
 from engine.grammar import Grammars, allowed_tokens, short
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
@@ -62,7 +62,7 @@ class EngineConfig:
     # output) | suffix (recently finished requests' outputs) | auto (both); a grammar's forced tokens are drafted
     # whenever it is not off.
     speculative: str = "off"
-    num_speculative_tokens: int = 3  # llama.cpp's default too: with the newest token, 4 rows, one pass of the kernels
+    num_speculative_tokens: int = 4  # at most; fewer where they do not pay (engine/drafts.py's MatchBudgets)
     suffix_tokens: int = 16384  # tokens of finished requests the suffix method drafts from, at most
 
     def __post_init__(self) -> None:
@@ -590,7 +590,8 @@ class Engine:
         else a match of its newest n-gram in its own tokens (ngram) or in recently finished requests (suffix),
         the longer match where both are on (auto). At most what the request may still emit, less one: the
         verification adds the sampler's own token after them; forced tokens up to forced_limit, n-gram drafts up to
-        K, as many as pay at the request's rate of right drafts (DraftBudget, against `threshold`, StepCosts')."""
+        K, as many as pay at the request's rate of right drafts after matches of that length (MatchBudgets, against
+        `threshold`, StepCosts')."""
         room = min(request.params.max_new_tokens - len(request.output_ids) - 1, self.max_seq_len - request.num_tokens)
         if room <= 0:
             return None
@@ -600,19 +601,21 @@ class Engine:
                 return "grammar", forced
         room = min(room, self.config.num_speculative_tokens)
         if request.budget is None:
-            request.budget = DraftBudget(self.config.num_speculative_tokens)
+            request.budget = MatchBudgets(self.config.num_speculative_tokens)
             request.ngrams = NgramIndex()
             request.ngrams.extend(request.prompt_ids)
-        k = min(room, request.budget.allowed(threshold))
-        if k == 0:  # the index catches up at the next lookup
-            return None
         index = request.ngrams
         index.extend(request.output_ids[len(index.tokens) - len(request.prompt_ids):])
         own = index.match() if self.speculative in ("ngram", "auto") else None
-        shared = self.corpus.propose(index.tokens, k) if self.corpus is not None else (0, [])
+        shared = self.corpus.propose(index.tokens, room) if self.corpus is not None else (0, [])
         if own is not None and own[0] >= shared[0]:
-            return "ngram", index.propose(k)
-        return ("suffix", shared[1]) if shared[1] else None
+            method, n, tokens = "ngram", own[0], index.propose(room)
+        elif shared[1]:
+            method, n, tokens = "suffix", *shared
+        else:
+            return None
+        k = request.budget.allowed(method, n, threshold)
+        return (method, tokens[:k]) if k else None
 
     def _verify(self, requests: list[Request], drafts: list[list[int]]) -> list[list[Choice]]:
         """One decode forward over each request's newest token and its drafts, a row per position (k + 1 rows of

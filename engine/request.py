@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.drafts import DraftBudget, NgramIndex
+from engine.drafts import MatchBudgets, NgramIndex
 from engine.sampler import Choice
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
@@ -84,7 +84,7 @@ class Request:
     copy_from: int | None = None  # at admission: the running slot its reused tokens are copied from
     grammar: LLMatcher | None = None  # follows the output through params.grammar, when the request has one
     ngrams: NgramIndex | None = None  # its prompt and output, for drafts (speculative decoding): made at first use
-    budget: DraftBudget | None = None  # how many drafts it proposes, from its recent acceptance
+    budget: MatchBudgets | None = None  # how many drafts it proposes, from its recent acceptance after each match
 
     @property
     def num_tokens(self) -> int:

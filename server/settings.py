@@ -33,7 +33,7 @@ class Settings:
     prefix_caching: str = "on"
     swa_full: str = "off"
     speculative: str = "off"
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 4
     request_timeout: float = 0  # seconds; 0: none
     max_queue_wait: float = 0  # seconds; 0: none
     tool_call_parser: str = "auto"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.drafts import MAX_PAUSE, DraftBudget, NgramIndex, StepCosts, SuffixCorpus
+from engine.drafts import MAX_PAUSE, DraftBudget, MatchBudgets, NgramIndex, StepCosts, SuffixCorpus
 from engine.grammar import json_schema_grammar, regex_grammar
 from tests.server_harness import serve
 from weights.loading import load_engine
@@ -120,6 +120,19 @@ def test_draft_budget_drafts_what_pays_and_probes_where_nothing_does():
     budget.every = MAX_PAUSE * 4
     budget.update(proposed=1, accepted=1)  # a probe that was right: probes come at once again
     assert budget.every == 1
+
+
+def test_each_length_of_match_learns_its_own_chance():
+    budgets = MatchBudgets(limit=4)
+    for _ in range(40):  # drafts after single-token matches keep failing, after four-token ones keep holding
+        if k := budgets.allowed("ngram", 1, threshold=0.3):
+            budgets.update(proposed=k, accepted=0)
+        if k := budgets.allowed("ngram", 4, threshold=0.3):
+            budgets.update(proposed=k, accepted=k)
+    assert budgets.budgets["ngram", 1].chance < 0.1 < 0.9 < budgets.budgets["ngram", 4].chance
+    assert budgets.allowed("ngram", 4, threshold=0.3) == 4
+    assert budgets.allowed("suffix", 4, threshold=0.3) == 1  # another method's matches start from the prior
+    assert [budgets.allowed("ngram", 1, threshold=0.3) for _ in range(3)].count(0) >= 1  # probes only
 
 
 # ---- the engine: the output is the output without speculation ------------------------------------------------
@@ -250,7 +263,7 @@ def test_verification_through_the_padded_steps_cuda_captures(model_dir):
     """On CUDA a step is a captured graph padded to a batch size; the CPU runs the same padded steps eagerly."""
     params = [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)] * 3
     plain, _, _, _ = run(engine_for(model_dir), PROMPTS[:3], params)
-    padded = drafting_always(engine_for(model_dir, "ngram"))
+    padded = drafting_always(engine_for(model_dir, "ngram", num_speculative_tokens=3))
     padded.executor.capture(graphs=False)
     assert padded.executor.captured.batch_sizes[-1] == 4 * 4  # every slot verifying 3 drafts: 16 rows
     got, _, drafts, _ = run(padded, PROMPTS[:3], params)
@@ -276,7 +289,7 @@ def test_sliding_window_rings_hold_the_drafts_and_change_nothing(model_dir, monk
     plain, _, _, plain_steps = run(unchanged, PROMPTS, params)
     drafting = drafting_always(ring("ngram"))
     assert drafting.speculation["method"] == "ngram"
-    assert drafting.cache.ring_capacity == unchanged.cache.ring_capacity + 3 == 4 + 3
+    assert drafting.cache.ring_capacity == unchanged.cache.ring_capacity + 4 == 4 + 4  # W + K
     got, _, drafts, _ = run(drafting, PROMPTS, params)
     assert got == plain and sum(d.proposed for ds in drafts for d in ds) > 0
     assert run(drafting_wrong(ring("ngram"), monkeypatch), PROMPTS, params)[0] == plain
@@ -346,7 +359,7 @@ def test_the_server_reports_drafts_and_answers_as_without_them(model_dir):
             details, usage = generated["details"], chatted["usage"]["completion_tokens_details"]
     assert answers["auto"] == answers["off"]
     jsonschema.validate(json.loads(answers["auto"][1]), SCHEMA)
-    assert info["method"] == "auto" and info["num_speculative_tokens"] == 3 and info["accepted_tokens"] > 0
+    assert info["method"] == "auto" and info["num_speculative_tokens"] == 4 and info["accepted_tokens"] > 0
     assert details["draft_tokens"] >= details["accepted_draft_tokens"] > 0
     assert usage["accepted_prediction_tokens"] > 0 and usage["rejected_prediction_tokens"] >= 0
     assert responses_drafts["accepted_prediction_tokens"] + responses_drafts["rejected_prediction_tokens"] > 0
