@@ -7,14 +7,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from engine.batch import PrefillBatch
 from engine.drafts import NGRAM_SIZES, SPECULATIVE_MODES, MatchBudgets, NgramIndex, StepCosts, SuffixCorpus
 from engine.executor import COMPILE_MODES, DecodeExecutor, compile_unsupported
-from engine.grammar import Grammars, allowed_tokens, short
+from engine.grammar import Grammars, allowed_from, allowed_tokens, bitmasks_along, short
 from engine.kv_cache import KVCache, format_bytes, parse_bytes
 from engine.linear.planner import QUANTIZE_MODES, summary
 from engine.linear.quantized import WeightOnlyLinear
@@ -25,9 +25,6 @@ from engine.sampler import Choice, score, select_tokens
 from engine.sampling import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler, SlotState
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-if TYPE_CHECKING:
-    from llguidance import LLMatcher
 
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified per request and step, at most
 SCORE_ROWS = 256  # prompt positions per LM-head pass when scoring a prompt: 256 x V float32 logits at a time
@@ -620,40 +617,42 @@ class Engine:
     def _verify(self, requests: list[Request], drafts: list[list[int]]) -> list[list[Choice]]:
         """One decode forward over each request's newest token and its drafts, a row per position (k + 1 rows of
         its slot at consecutive positions: each row's K/V is written before any row attends, so each reads the
-        drafts before it), then position by position the plain sampler's token for every request that kept all
-        its drafts before it. A draft is kept only where it is that token, so a request gets exactly the tokens
+        drafts before it), then the plain sampler's token at every position, as if the drafts before it were kept
+        (its output and grammar past them: Position), all in one pass. Walking them, a request keeps its drafts up
+        to the first that is not the sampler's token there, and that token too; so it gets exactly the tokens
         plain decoding gives it; a request without drafts gets one token, as in _decode.
 
         Rows rather than a prompt-like pass over k + 1 positions: the same kernels at the same shapes per row as
         a decode step, so a verified token's logits are a decoded token's, not a prefill's (which differ in the
         last bits, enough to flip a near tie). The K/V of rejected drafts stay past the request's length, unread,
-        until overwritten. The request itself does not change (its grammar is rolled back), so a failed pass can
-        run again.
+        until overwritten. The request itself does not change (its grammar ends where it began), so a failed pass
+        can run again.
         """
         rows = [[r.output_ids[-1], *d] for r, d in zip(requests, drafts)]
         lengths = [len(row) for row in rows]
         logits = self.executor.forward([t for row in rows for t in row],
                                        [r.slot for r, n in zip(requests, lengths) for _ in range(n)],
                                        [r.cached_tokens + j for r, n in zip(requests, lengths) for j in range(n)])
-        starts = list(itertools.accumulate([0] + lengths[:-1]))  # logits (sum of lengths, V): request by request
-        trials = [Trial.of(r, self.eos_token_ids) for r in requests]
-        chosen: list[list[Choice]] = [[] for _ in requests]
-        live = list(range(len(requests)))
-        try:
-            for j in range(max(lengths)):
-                live = [i for i in live if j < lengths[i]]
-                if not live:
+        positions, masks, passable = [], [], []
+        for request, tokens in zip(requests, drafts):
+            grammar = request.grammar
+            along = bitmasks_along(grammar, tokens) if grammar is not None else [None] * (len(tokens) + 1)
+            # Past draft j only if the request goes on after it: not its end (EOS), and its grammar took it.
+            ends = next((j for j, token in enumerate(tokens) if request.params.ends_at(token, self.eos_token_ids)),
+                        len(tokens))
+            passable.append(min(ends, len(along) - 1))
+            positions += [Position.of(request, tokens[:j]) for j in range(len(tokens) + 1)]
+            masks += along + [None] * (len(tokens) + 1 - len(along))  # positions never reached: any token
+        picks = select_tokens(logits, positions, allowed_from(masks, logits.shape[-1], logits.device))
+        chosen: list[list[Choice]] = []
+        start = 0
+        for tokens, n, length in zip(drafts, passable, lengths):
+            chosen.append([])
+            for j, choice in enumerate(picks[start: start + length]):
+                chosen[-1].append(choice)
+                if j >= n or choice.token != tokens[j]:
                     break
-                picks = self._select(logits[[starts[i] + j for i in live]], [trials[i] for i in live])
-                kept = []
-                for i, choice in zip(live, picks):
-                    chosen[i].append(choice)
-                    if j < len(drafts[i]) and choice.token == drafts[i][j] and trials[i].take(choice.token):
-                        kept.append(i)  # its draft j was right: position j + 1 is sampled too
-                live = kept
-        finally:
-            for trial in trials:
-                trial.undo()
+            start += length
         return chosen
 
     def _select(self, logits: torch.Tensor, requests: list[Request]) -> list[Choice]:
@@ -703,40 +702,19 @@ class Engine:
                           [e.top_logprobs for e in events], request.prompt_logprobs, request.reused_tokens)
 
 
-@dataclass
-class Trial:
-    """A request as the sampler sees it while drafts are verified (a SamplingState): its output so far plus the
-    drafts kept, its grammar advanced over them (and rolled back by undo)."""
+@dataclass(frozen=True)
+class Position:
+    """A request as the sampler sees it at a verified position (a SamplingState): its output so far plus the drafts
+    before the position, as if they were kept (the seeded draw's step and the penalties' counts follow them)."""
 
     params: SamplingParams
     seed: int
     prompt_ids: list[int]
-    output_ids: list[int]  # a copy: the request's own grows only as events are appended
-    grammar: LLMatcher | None
-    eos_token_ids: tuple[int, ...]
-    consumed: int = 0  # tokens its grammar took here
+    output_ids: list[int]
 
     @classmethod
-    def of(cls, request: Request, eos_token_ids: tuple[int, ...]) -> "Trial":
-        return cls(request.params, request.seed, request.prompt_ids, list(request.output_ids), request.grammar,
-                   eos_token_ids)
-
-    def take(self, token: int) -> bool:
-        """Keep a verified draft; whether verification may go on after it (not past an end of the request)."""
-        self.output_ids.append(token)
-        if self.params.ends_at(token, self.eos_token_ids):
-            return False
-        if self.grammar is None:
-            return True
-        if not self.grammar.consume_token(token):
-            return False
-        self.consumed += 1
-        return not self.grammar.is_stopped()
-
-    def undo(self) -> None:
-        if self.consumed:
-            self.grammar.rollback(self.consumed)
-            self.consumed = 0
+    def of(cls, request: Request, drafts: list[int]) -> "Position":
+        return cls(request.params, request.seed, request.prompt_ids, request.output_ids + drafts)
 
 
 __all__ = ["Completion", "Engine", "EngineConfig"]

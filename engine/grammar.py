@@ -116,16 +116,45 @@ def short(error: str) -> str:
     return " ".join(error.split("\n<", 1)[0].split())[:1000]
 
 
+def bitmask(matcher: LLMatcher) -> torch.Tensor:
+    """(words,) int32: bit j of word w set iff the matcher allows token 32·w + j next (maybe one spare word)."""
+    return torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+
+
+def allows(mask: torch.Tensor, token: int) -> bool:
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def bitmasks_along(matcher: LLMatcher, tokens: list[int]) -> list[torch.Tensor]:
+    """The matcher's mask before tokens[0], and after each of `tokens` that it takes while another may follow: up to
+    the first it refuses, or the one that completes it (nothing may follow but EOS). The matcher ends where it began."""
+    masks, taken = [bitmask(matcher)], 0
+    try:
+        while taken < len(tokens) and allows(masks[-1], tokens[taken]) and matcher.consume_token(tokens[taken]):
+            taken += 1
+            if matcher.is_stopped():
+                break
+            masks.append(bitmask(matcher))
+    finally:
+        if taken:
+            matcher.rollback(taken)
+    return masks
+
+
 def allowed_tokens(matchers: list[LLMatcher | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """(b, V) bool: the tokens each row's grammar allows next (every token for a row without one); None if no row has one."""
-    if not any(matchers):
+    return allowed_from([bitmask(m) if m is not None else None for m in matchers], vocab_size, device)
+
+
+def allowed_from(masks: list[torch.Tensor | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """(b, V) bool from each row's bitmask (None: every token allowed); None if no row has one."""
+    if not any(mask is not None for mask in masks):
         return None
-    masks = {row: torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)  # (words,), maybe one spare
-             for row, m in enumerate(matchers) if m is not None}
-    words = max((vocab_size + 31) // 32, *(len(mask) for mask in masks.values()))
-    bits = torch.full((len(matchers), words), -1, dtype=torch.int32)  # (b, words): all allowed
-    for row, mask in masks.items():
-        bits[row, :len(mask)] = mask
+    words = max((vocab_size + 31) // 32, *(len(mask) for mask in masks if mask is not None))
+    bits = torch.full((len(masks), words), -1, dtype=torch.int32)  # (b, words): all allowed
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            bits[row, :len(mask)] = mask
     shifts = torch.arange(32, dtype=torch.int32)
     allowed = (bits[:, :, None] >> shifts) & 1  # (b, words, 32): bit j of word w is token 32·w + j
-    return allowed.reshape(len(matchers), words * 32)[:, :vocab_size].bool().to(device)
+    return allowed.reshape(len(masks), words * 32)[:, :vocab_size].bool().to(device)

@@ -14,7 +14,7 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.drafts import MAX_PAUSE, DraftBudget, MatchBudgets, NgramIndex, StepCosts, SuffixCorpus
-from engine.grammar import json_schema_grammar, regex_grammar
+from engine.grammar import bitmasks_along, json_schema_grammar, regex_grammar
 from tests.server_harness import serve
 from weights.loading import load_engine
 
@@ -194,6 +194,34 @@ def test_drafts_that_are_always_wrong_or_always_right_change_nothing(model_dir, 
     got, _, drafts, steps = run(right, PROMPTS, params)
     assert got == plain and steps <= plain_steps // 3
     assert all(d.accepted == d.proposed for ds in drafts for d in ds)
+
+
+def test_drafts_a_grammar_refuses_or_completes_with_change_nothing(model_dir, monkeypatch):
+    """Under a schema, sampled: drafts the grammar refuses (always wrong) and drafts that are the object itself, up
+    to the token that completes it and EOS (always right), give the objects plain decoding gives."""
+    grammar = json_schema_grammar(SCHEMA)
+    prompts = ["Describe:", "Describe one:", "Describe two:"]
+    params = [SamplingParams(max_new_tokens=80, temperature=1.0, seed=seed, grammar=grammar) for seed in range(3)]
+    plain, _, _, plain_steps = run(engine_for(model_dir), prompts, params)
+    assert run(drafting_wrong(engine_for(model_dir, "ngram"), monkeypatch), prompts, params)[0] == plain
+    right = engine_for(model_dir, "ngram")
+    answers = {tuple(right.tokenizer.encode(p)): a for p, a in zip(prompts, plain)}
+    monkeypatch.setattr(right, "_draft", lambda request, threshold: (
+        "ngram", answers[tuple(request.prompt_ids)][len(request.output_ids): len(request.output_ids) + 3] or None))
+    got, _, drafts, steps = run(right, prompts, params)
+    assert got == plain and steps <= plain_steps // 3
+    assert all(d.accepted == d.proposed for ds in drafts for d in ds)
+
+
+def test_bitmasks_along_drafts_stop_where_the_grammar_does_and_leave_it_unchanged(model_dir):
+    grammars = engine_for(model_dir).grammars
+    matcher = grammars.start(regex_grammar("ab(c|d)"))
+    spelled = grammars.tokenizer.tokenize_bytes(b"abc")
+    before = bytes(matcher.compute_bitmask())
+    assert len(bitmasks_along(matcher, spelled)) == len(spelled)  # the last token completes it: no mask after
+    refused = grammars.tokenizer.tokenize_bytes(b"abx")
+    assert len(bitmasks_along(matcher, refused)) == len(grammars.tokenizer.tokenize_bytes(b"ab")) + 1
+    assert bytes(matcher.compute_bitmask()) == before and not matcher.is_error()
 
 
 def test_a_schema_gets_its_forced_tokens_drafted_and_the_same_object(model_dir):
