@@ -122,7 +122,7 @@ def bitmask(matcher: LLMatcher) -> torch.Tensor:
 
 
 def allows(mask: torch.Tensor, token: int) -> bool:
-    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+    return 0 <= token >> 5 < len(mask) and bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
 
 def bitmasks_along(matcher: LLMatcher, tokens: list[int]) -> list[torch.Tensor]:
