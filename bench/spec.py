@@ -110,11 +110,12 @@ def run(args: argparse.Namespace) -> dict:
         drafted, kept = (a - b for a, b in zip(fast.draft_totals, before))
         plain_rate, rate = statistics.median(plain_rates), statistics.median(rates)
         ratios = [s / p for p, s in zip(plain_rates, rates)]
-        results[name] = {"plain_tok_s": plain_rate, "speculative_tok_s": rate, "speedup": statistics.median(ratios),
+        speedup = statistics.median(ratios)
+        results[name] = {"plain_tok_s": plain_rate, "speculative_tok_s": rate, "speedup": speedup,
                          "pairs": [[p, s] for p, s in zip(plain_rates, rates)],
                          "tokens": sum(map(len, ids)), "draft_tokens": drafted, "accepted_tokens": kept,
                          "identical": same}
-        rows.append([name, f"{plain_rate:.1f}", f"{rate:.1f}", f"{statistics.median(ratios):.2f}x",
+        rows.append([name, f"{plain_rate:.1f}", f"{rate:.1f}", f"{speedup:.2f}x",
                      f"{min(ratios):.2f}-{max(ratios):.2f}x", f"{kept}/{drafted}", "yes" if same else "NO"])
     reference = {}
     if args.llama_bin:

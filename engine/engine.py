@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -641,7 +642,7 @@ class Engine:
             ends = next((j for j, token in enumerate(tokens) if request.params.ends_at(token, self.eos_token_ids)),
                         len(tokens))
             passable.append(min(ends, len(along) - 1))
-            positions += [Position.of(request, tokens[:j]) for j in range(len(tokens) + 1)]
+            positions += [Position(request, tokens[:j]) for j in range(len(tokens) + 1)]
             masks += along + [None] * (len(tokens) + 1 - len(along))  # positions never reached: any token
         picks = select_tokens(logits, positions, allowed_from(masks, logits.shape[-1], logits.device))
         chosen: list[list[Choice]] = []
@@ -705,16 +706,27 @@ class Engine:
 @dataclass(frozen=True)
 class Position:
     """A request as the sampler sees it at a verified position (a SamplingState): its output so far plus the drafts
-    before the position, as if they were kept (the seeded draw's step and the penalties' counts follow them)."""
+    before the position, as if they were kept (the seeded draw's step and the penalties' counts follow them). The
+    output is joined only where the sampler reads it (a sampled or penalized request), not for every greedy row."""
 
-    params: SamplingParams
-    seed: int
-    prompt_ids: list[int]
-    output_ids: list[int]
+    request: Request
+    drafts: list[int]
 
-    @classmethod
-    def of(cls, request: Request, drafts: list[int]) -> "Position":
-        return cls(request.params, request.seed, request.prompt_ids, request.output_ids + drafts)
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def seed(self) -> int:
+        return self.request.seed
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @cached_property
+    def output_ids(self) -> list[int]:
+        return self.request.output_ids + self.drafts
 
 
 __all__ = ["Completion", "Engine", "EngineConfig"]
