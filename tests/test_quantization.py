@@ -114,9 +114,9 @@ def test_our_kernels_build_on_this_machine():
 
 @pytest.mark.parametrize("arch, feature", [("haswell", "avx2"), ("icelake-server", "avx512_vnni")])
 def test_our_kernels_also_build_and_compute_for_older_cpus(tmp_path, arch, feature):
-    """This machine's build takes the paths its CPU has (AMX, AVX512-VNNI or AVX2); the others are built for an
-    older CPU and run here (haswell: AVX2 alone; icelake-server: AVX512-VNNI without AMX), each in a process of its
-    own: the ops register once per process."""
+    """This machine's build takes the paths its CPU has (AMX, AVX512-VNNI or AVX2; the decode attention's bfloat16
+    pairs with AVX512_BF16); the others are built for an older CPU and run here (haswell: AVX2 alone; icelake-server:
+    AVX512-VNNI without AMX or bfloat16 pairs), each in a process of its own: the ops register once per process."""
     if shutil.which("g++") is None or platform.machine() != "x86_64" or feature not in cpu_description():
         pytest.skip(f"needs g++ and an x86-64 CPU with {feature}")
     script = f"""
@@ -142,12 +142,24 @@ for codes, name in ((random_q4_k(37, 512), "Q4_K"), (random_q5_k(37, 512), "Q5_K
     exact = x @ codes.dequantize().t()
     kind = SubBlock6Linear if name == "Q6_K" else SuperBlockLinear
     print(name, ((kind(codes, None, torch.float32)(x) - exact).norm() / exact.norm()).item())
+from engine.models.attention import grouped_attention
+for dtype in (torch.float32, torch.bfloat16):  # head widths of 16 (8-float vectors) and 64 (16-float, pairs)
+    for d in (16, 64):
+        keys, values = (torch.randn(2, 2, 300, d).to(dtype) for _ in range(2))
+        q = torch.randn(3, 6, 1, d).to(dtype)
+        slots, positions = torch.tensor([1, 0, 1]), torch.tensor([[299], [7], [260]])
+        got = torch.ops.kvserve.decode_attention(q, keys, values, slots, positions, 0).float()
+        worst = max((got[r:r + 1] - grouped_attention(q[r:r + 1].float(), keys[slots[r], None, :, :positions[r, 0] + 1].float(),
+                     values[slots[r], None, :, :positions[r, 0] + 1].float(), None)).abs().max().item() for r in range(3))
+        print("attention-%s-%d" % (str(dtype)[6:], d), worst)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     errors = dict(line.split() for line in result.stdout.splitlines())
     assert float(errors["Codes4Linear"]) < 0.01 and float(errors["Codes5Linear"]) < 0.01 and float(errors["Codes8Linear"]) < 0.01
     assert all(float(errors[name]) < 0.01 for name in ("Q4_K", "Q5_K", "Q6_K"))
+    assert float(errors["attention-float32-16"]) < 1e-5 and float(errors["attention-float32-64"]) < 1e-5
+    assert float(errors["attention-bfloat16-16"]) < 1e-2 and float(errors["attention-bfloat16-64"]) < 1e-2
 
 
 def test_without_a_compiler_our_kernels_say_why(monkeypatch):
@@ -297,10 +309,10 @@ def test_a_decode_steps_rows_get_the_bits_they_get_alone_in_every_form(form, bit
         pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
     generator = torch.Generator().manual_seed(bits)
     layer = codes_layer(bits)(centred_codes(48, bits, generator), None, torch.bfloat16, forms=FORMS[form])
-    x = torch.randn(40, 1, 256, generator=generator).to(torch.bfloat16)
+    x = torch.randn(45, 1, 256, generator=generator).to(torch.bfloat16)  # whole passes of rows, then a rest of 5 or 1
     with torch.inference_mode():
-        together = layer(x)  # (40, 1, 48)
-        for row in (0, 17, 39):
+        together = layer(x)  # (45, 1, 48)
+        for row in (0, 17, 39, 44):
             assert torch.equal(together[row], layer(x[row: row + 1])[0])
 
 

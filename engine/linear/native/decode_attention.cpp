@@ -10,7 +10,9 @@
 // A compiled decode step otherwise gathers each row's keys out of the cache, or loops over them in a form that
 // reads them more than once; at long contexts (hundreds of keys and more) that, not the weights, is most of a
 // step. Here every key and value of a row's slot is read once, as stored (bfloat16 or float32), by the g query
-// heads that share it, in float32 (AVX2 vectors: d a multiple of 8). The keys are split into chunks, so that one
+// heads that share it, in float32 vectors of 16 (AVX-512, d a multiple of 16) or 8 (AVX2, d a multiple of 8). With
+// AVX512_BF16, bfloat16 keys are scored as stored, by dot products of bfloat16 pairs into float32 (each product
+// exact), never widened: a score is the most of the work at hundreds of keys. The keys are split into chunks, so that one
 // row's long context spreads over every thread (split-K, as flash-decoding does); each chunk keeps its own maximum,
 // sum and weighted values, merged per row and head at the end. A row's result depends on its own keys alone, never
 // on the rows beside it: a verified draft's row is the row decoded alone at its position.
@@ -27,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "eight.h"
@@ -44,128 +47,235 @@ inline float to_float(at::BFloat16 v) {
   return f;
 }
 
-// The sums of each of a[0..7]'s 8 lanes, as lanes 0..7 of one vector, in a fixed order.
-inline __m256 lane_sums(const __m256 (&a)[8]) {
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // per 128-bit half
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// exp(x) for x <= 0, 8 at a time: x = n·ln 2 + r, |r| <= ln 2 / 2, exp(r) by its Taylor series to r⁶ (relative
-// error under 2e-7), times 2^n. Below -87 (float32's smallest normal number is e^-87.3) it gives e^-87: a weight no
-// sum can tell from 0.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
-  __m256 p = _mm256_set1_ps(1.f / 720);  // ln 2 in two parts above: n·ln 2 exact to float
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
-}
-
-constexpr int64_t kKeys = 8;  // keys scored at a time: one lane each
-constexpr int64_t kHeads = 8;  // query heads whose weighted values are summed at a time: one register each
-
-// Scratch of one thread: kKeys key rows, the chunk's scores, the queries in float32.
-struct Scratch {
-  std::vector<float> rows, scores, queries;
-  Scratch(int64_t g, int64_t d) : rows(kKeys * d), scores(g * (kChunk + kKeys)), queries(g * d) {}
+// The vector operations the kernel is written in, for one width: 8 float32 lanes (AVX2) or 16 (AVX-512). The
+// algorithm below is the same for both; the widest the CPU has (and d divides) is taken, for every row alike.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t width = 8;
+  static constexpr int sums = 8;  // weighted-value sums kept in registers at a time: 16 registers in all
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const at::BFloat16* p) { return load8(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static float largest(V a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+  }
+  static float total(V a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+  // Lane i: the sum of a[i]'s lanes, in a fixed order.
+  static V lane_sums(const V (&a)[width]) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // per 128-bit half
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  }
+  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V two_to(V n) {  // 2^n for integral n in float32's normal range
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
 };
 
-// out[h, :] = Σ_t weights[h, t]·values[t, :] for H heads (weights: row stride `stride`), S·8 of d at a time: H·S
-// sums in registers, each key's 8·S values read once for all H heads.
-template <int H, int S, typename T>
-void weigh_values(const T* values, int64_t n, int64_t d, const float* weights, int64_t stride, float* out) {
-  for (int64_t j = 0; j < d; j += 8 * S) {
-    __m256 acc[H][S];
-    for (int h = 0; h < H; ++h)
-      for (int s = 0; s < S; ++s) acc[h][s] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      __m256 v[S];
-      for (int s = 0; s < S; ++s) v[s] = load8(values + t * d + j + 8 * s);
-      for (int h = 0; h < H; ++h) {
-        const __m256 w = _mm256_broadcast_ss(weights + h * stride + t);
-        for (int s = 0; s < S; ++s) acc[h][s] = _mm256_fmadd_ps(w, v[s], acc[h][s]);
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t width = 16;
+  static constexpr int sums = 16;  // of 32 registers
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {  // bfloat16 is float32's upper half
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static float largest(V a) { return _mm512_reduce_max_ps(a); }
+  static float total(V a) { return _mm512_reduce_add_ps(a); }
+  // Lane i: the sum of a[i]'s lanes, in a fixed order. Each level halves the vectors and the lanes per sum:
+  // 16 vectors of 16 partial sums, 8 of 2·8, 4 of 4·4, 2 of 8·2, 1 of 16.
+  static V lane_sums(const V (&a)[width]) {
+    V b[8], c[4];
+    for (int i = 0; i < 8; ++i)  // 128-bit lanes: a[i]'s halves in 0-1, a[i + 8]'s in 2-3
+      b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+    for (int i = 0; i < 4; ++i)  // 128-bit lanes: the sums of a[i], a[i + 8], a[i + 4], a[i + 12], 4 each
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+    const V d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));  // 2 each
+    const V d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+    const V e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));  // lanes 0-3, 8-11, 4-7, 12-15
+    return _mm512_shuffle_f32x4(e, e, 0xD8);
+  }
+  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V two_to(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+};
+#endif
+
+// exp(x) for x <= 0, a vector at a time: x = n·ln 2 + r, |r| <= ln 2 / 2, exp(r) by its Taylor series to r⁶
+// (relative error under 2e-7), times 2^n. Below -87 (float32's smallest normal number is e^-87.3) it gives e^-87:
+// a weight no sum can tell from 0 (every sum holds its maximum's weight, 1).
+template <class L>
+typename L::V exp_nonpositive(typename L::V x) {
+  x = L::max(x, L::set(-87.f));
+  const auto n = L::round(L::mul(x, L::set(1.44269504f)));
+  const auto r = L::fnmadd(n, L::set(1.42860677e-6f), L::fnmadd(n, L::set(0.693145752f), x));
+  auto p = L::set(1.f / 720);  // ln 2 in two parts above: n·ln 2 exact to float
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = L::fmadd(p, r, L::set(c));
+  return L::mul(p, L::two_to(n));
+}
+
+constexpr int64_t kHeads = 8;  // query heads whose weighted values are summed at a time
+
+// Scratch of one thread: a block of key rows, the chunk's scores, the queries in float32 (scaled by 1/sqrt(d)) and
+// as stored (T, unscaled).
+template <class L, typename T>
+struct Scratch {
+  std::vector<float> rows, scores, queries;
+  std::vector<T> stored;
+  Scratch(int64_t g, int64_t d) : rows(L::width * d), scores(g * (kChunk + L::width)), queries(g * d), stored(g * d) {}
+};
+
+// Whether scores are dot products of bfloat16 pairs (AVX512_BF16: the keys read as stored, never widened), for
+// lanes L and keys of type T, where d holds whole vectors of pairs.
+template <class L, typename T>
+constexpr bool kPairs =
+#if defined(__AVX512BF16__)
+    std::is_same_v<L, Lanes16> && std::is_same_v<T, at::BFloat16>;
+#else
+    false;
+#endif
+
+// The scores of keys [t, t + W) of a chunk of n for the g heads, each key's row read once for the g heads: in
+// float32, widened into scratch rows; or (kPairs) as pairs of bfloat16 straight from the cache.
+template <class L, typename T>
+void score_keys(Scratch<L, T>& scratch, const T* keys, int64_t t, int64_t n, int64_t g, int64_t d, float scale,
+                float* scores, int64_t padded) {
+  constexpr int64_t W = L::width;
+#if defined(__AVX512BF16__)
+  if constexpr (kPairs<L, T>) {
+    const T* key[W];
+    for (int64_t i = 0; i < W; ++i) key[i] = keys + std::min(t + i, n - 1) * d;  // past n: scored, replaced later
+    for (int64_t h = 0; h < g; ++h) {
+      const T* qh = scratch.stored.data() + h * d;
+      __m512 acc[W];
+      for (int64_t i = 0; i < W; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < d; j += 32) {
+        const __m512bh qj = (__m512bh)_mm512_loadu_si512(qh + j);
+        for (int64_t i = 0; i < W; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], qj, (__m512bh)_mm512_loadu_si512(key[i] + j));
       }
+      L::store(scores + h * padded + t, L::mul(L::lane_sums(acc), L::set(scale)));
     }
-    for (int h = 0; h < H; ++h)
-      for (int s = 0; s < S; ++s) _mm256_storeu_ps(out + h * d + j + 8 * s, acc[h][s]);
+    return;
+  }
+#endif
+  float* rows = scratch.rows.data();
+  for (int64_t i = 0; i < W; ++i) {  // keys past n as zeros: their scores are replaced later
+    const T* key = keys + (t + i) * d;
+    for (int64_t j = 0; j < d; j += W) L::store(rows + i * d + j, t + i < n ? L::load(key + j) : L::zero());
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    const float* qh = scratch.queries.data() + h * d;
+    typename L::V acc[W];
+    for (int64_t i = 0; i < W; ++i) acc[i] = L::zero();
+    for (int64_t j = 0; j < d; j += W) {
+      const auto qj = L::load(qh + j);
+      for (int64_t i = 0; i < W; ++i) acc[i] = L::fmadd(qj, L::load(rows + i * d + j), acc[i]);
+    }
+    L::store(scores + h * padded + t, L::lane_sums(acc));
   }
 }
 
-// weigh_values for `heads` (1..kHeads) heads: as many 8s of d at a time as keep about 8 sums in flight (an FMA's
-// latency times the two a cycle), where d holds them.
-template <typename T>
+// out[h, :] = Σ_t weights[h, t]·values[t, :] for H heads (weights: row stride `stride`), S vectors of d at a
+// time: H·S sums in registers, each key's S vectors of values read once for all H heads.
+template <class L, int H, int S, typename T>
+void weigh_values(const T* values, int64_t n, int64_t d, const float* weights, int64_t stride, float* out) {
+  for (int64_t j = 0; j < d; j += L::width * S) {
+    typename L::V acc[H][S];
+    for (int h = 0; h < H; ++h)
+      for (int s = 0; s < S; ++s) acc[h][s] = L::zero();
+    for (int64_t t = 0; t < n; ++t) {
+      typename L::V v[S];
+      for (int s = 0; s < S; ++s) v[s] = L::load(values + t * d + j + L::width * s);
+      for (int h = 0; h < H; ++h) {
+        const auto w = L::broadcast(weights + h * stride + t);
+        for (int s = 0; s < S; ++s) acc[h][s] = L::fmadd(w, v[s], acc[h][s]);
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int s = 0; s < S; ++s) L::store(out + h * d + j + L::width * s, acc[h][s]);
+  }
+}
+
+// weigh_values for H heads: up to 4 vectors of d at a time, as many as d divides and L's registers hold beside
+// the H broadcasts and S values.
+template <class L, int H, typename T>
+void weigh_values(const T* values, int64_t n, int64_t d, const float* weights, int64_t stride, float* out) {
+  constexpr int most = std::min(4, std::max(1, L::sums / H));
+  if constexpr (most >= 4)
+    if (d % (4 * L::width) == 0) return weigh_values<L, H, 4>(values, n, d, weights, stride, out);
+  if constexpr (most >= 2)
+    if (d % (2 * L::width) == 0) return weigh_values<L, H, 2>(values, n, d, weights, stride, out);
+  weigh_values<L, H, 1>(values, n, d, weights, stride, out);
+}
+
+template <class L, typename T>
 void weigh_values(const T* values, int64_t n, int64_t d, const float* weights, int64_t stride, int64_t heads,
                   float* out) {
-  const bool four = d % 32 == 0, two = d % 16 == 0;
   switch (heads) {
-#define KVSERVE_HEADS(H, S)                                                                                   \
-  case H:                                                                                                     \
-    if (S >= 4 && four) return weigh_values<H, (S >= 4 ? 4 : 1)>(values, n, d, weights, stride, out);        \
-    if (S >= 2 && two) return weigh_values<H, (S >= 2 ? 2 : 1)>(values, n, d, weights, stride, out);         \
-    return weigh_values<H, 1>(values, n, d, weights, stride, out);
-    KVSERVE_HEADS(1, 4) KVSERVE_HEADS(2, 4) KVSERVE_HEADS(3, 2) KVSERVE_HEADS(4, 2)
-    KVSERVE_HEADS(5, 1) KVSERVE_HEADS(6, 1) KVSERVE_HEADS(7, 1) KVSERVE_HEADS(8, 1)
-#undef KVSERVE_HEADS
+    case 1: return weigh_values<L, 1>(values, n, d, weights, stride, out);
+    case 2: return weigh_values<L, 2>(values, n, d, weights, stride, out);
+    case 3: return weigh_values<L, 3>(values, n, d, weights, stride, out);
+    case 4: return weigh_values<L, 4>(values, n, d, weights, stride, out);
+    case 5: return weigh_values<L, 5>(values, n, d, weights, stride, out);
+    case 6: return weigh_values<L, 6>(values, n, d, weights, stride, out);
+    case 7: return weigh_values<L, 7>(values, n, d, weights, stride, out);
+    case 8: return weigh_values<L, 8>(values, n, d, weights, stride, out);
   }
   TORCH_CHECK(false, "weigh_values takes 1 to ", kHeads, " heads at a time");
 }
 
 // One chunk [begin, end) of one row's K/V head, for its g query heads (scratch.queries: g·d, scaled by 1/sqrt(d)),
-// d a multiple of 8: each head's maximum score, sum of exp(score - maximum) and Σ exp(score - maximum)·v (d floats).
-// Scores go 8 keys at a time (each key's row read and widened once for the g heads), the weighted values 8 of d
-// at a time for up to 8 heads, each key's values read once per 8 of d.
-template <typename T>
-void attend_chunk(Scratch& scratch, const T* keys, const T* values, int64_t begin, int64_t end, int64_t g, int64_t d,
-                  float* maximum, float* total, float* out) {
-  const int64_t n = end - begin, padded = (n + kKeys - 1) / kKeys * kKeys;
-  float* rows = scratch.rows.data();
+// d a multiple of L::width: each head's maximum score, sum of exp(score - maximum) and Σ exp(score - maximum)·v
+// (d floats). Scores go L::width keys at a time (each key's row read and widened once for the g heads; keys past
+// the chunk score −∞), the weighted values up to 8 heads at a time, each key's values read once per pass over d.
+template <class L, typename T>
+void attend_chunk(Scratch<L, T>& scratch, const T* keys, const T* values, int64_t begin, int64_t end, int64_t g,
+                  int64_t d, float scale, float* maximum, float* total, float* out) {
+  constexpr int64_t W = L::width;
+  const int64_t n = end - begin, padded = (n + W - 1) / W * W;
   float* scores = scratch.scores.data();  // (g, padded)
-  for (int64_t t = 0; t < n; t += kKeys) {
-    for (int64_t i = 0; i < kKeys; ++i) {  // keys past n as zeros: their scores are not used
-      const T* key = keys + (begin + t + i) * d;
-      for (int64_t j = 0; j < d; j += 8)
-        _mm256_storeu_ps(rows + i * d + j, t + i < n ? load8(key + j) : _mm256_setzero_ps());
-    }
-    for (int64_t h = 0; h < g; ++h) {
-      const float* qh = scratch.queries.data() + h * d;
-      __m256 acc[kKeys];
-      for (int64_t i = 0; i < kKeys; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < d; j += 8) {
-        const __m256 qj = _mm256_loadu_ps(qh + j);
-        for (int64_t i = 0; i < kKeys; ++i) acc[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(rows + i * d + j), acc[i]);
-      }
-      _mm256_storeu_ps(scores + h * padded + t, lane_sums(acc));
-    }
-  }
-  const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t t = 0; t < n; t += W) score_keys<L, T>(scratch, keys + begin * d, t, n, g, d, scale, scores, padded);
   for (int64_t h = 0; h < g; ++h) {
     float* sh = scores + h * padded;
-    __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < padded; t += kKeys) {  // keys past n count as −∞
-      const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps(static_cast<float>(t))),
-                                         _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
-      top = _mm256_max_ps(top, _mm256_blendv_ps(top, _mm256_loadu_ps(sh + t), valid));
+    std::fill(sh + n, sh + padded, -std::numeric_limits<float>::infinity());
+    auto top = L::set(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < padded; t += W) top = L::max(top, L::load(sh + t));
+    const float most = L::largest(top);
+    auto sum = L::zero();
+    for (int64_t t = 0; t < padded; t += W) {
+      const auto w = exp_nonpositive<L>(L::add(L::load(sh + t), L::set(-most)));
+      L::store(sh + t, w);
+      sum = L::add(sum, w);
     }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float most = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += kKeys) {  // weights of keys past n: 0
-      const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps(static_cast<float>(t))),
-                                         _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
-      const __m256 w = _mm256_and_ps(valid, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(most))));
-      _mm256_storeu_ps(sh + t, w);
-      sum = _mm256_add_ps(sum, w);
-    }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    maximum[h] = most, total[h] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+    maximum[h] = most, total[h] = L::total(sum);
   }
   for (int64_t h0 = 0; h0 < g; h0 += kHeads)
-    weigh_values(values + begin * d, n, d, scores + h0 * padded, padded, std::min(kHeads, g - h0), out + h0 * d);
+    weigh_values<L>(values + begin * d, n, d, scores + h0 * padded, padded, std::min(kHeads, g - h0), out + h0 * d);
 }
 
 template <typename T, typename Q>
@@ -212,20 +322,31 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const Q* q_data = q.data_ptr<Q>();
   const T* key_data = keys.data_ptr<T>();
   const T* value_data = values.data_ptr<T>();
-  at::parallel_for(0, first[b] * h_kv, 1, [&](int64_t lo, int64_t hi) {
-    Scratch scratch(g, d);
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t chunk = task / h_kv, head = task % h_kv, r = row_of[chunk];
-      const int64_t begin = chunk_begin[chunk], end = chunk_end[chunk];
-      for (int64_t h = 0; h < g; ++h) {
-        const Q* qh = q_data + r * q.stride(0) + (head * g + h) * q.stride(1);
-        for (int64_t j = 0; j < d; ++j) scratch.queries[h * d + j] = to_float(qh[j]) * scale;
+  // Each (chunk, K/V head) a task, in the widest vectors the CPU has and d divides: the same for every row.
+  auto attend_chunks = [&](auto lanes) {
+    using L = decltype(lanes);
+    at::parallel_for(0, first[b] * h_kv, 1, [&](int64_t lo, int64_t hi) {
+      Scratch<L, T> scratch(g, d);
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t chunk = task / h_kv, head = task % h_kv, r = row_of[chunk];
+        for (int64_t h = 0; h < g; ++h) {
+          const Q* qh = q_data + r * q.stride(0) + (head * g + h) * q.stride(1);
+          for (int64_t j = 0; j < d; ++j) scratch.queries[h * d + j] = to_float(qh[j]) * scale;
+          std::copy(qh, qh + d, scratch.stored.data() + h * d);
+        }
+        const int64_t offset = (slot[r] * h_kv + head) * capacity * d;
+        float* p = partial.data() + task * stride;
+        attend_chunk<L, T>(scratch, key_data + offset, value_data + offset, chunk_begin[chunk], chunk_end[chunk], g,
+                           d, scale, p, p + g, p + 2 * g);
       }
-      const int64_t offset = (slot[r] * h_kv + head) * capacity * d;
-      float* p = partial.data() + task * stride;
-      attend_chunk<T>(scratch, key_data + offset, value_data + offset, begin, end, g, d, p, p + g, p + 2 * g);
-    }
-  });
+    });
+  };
+#if defined(__AVX512F__)
+  if (d % Lanes16::width == 0 && (!kPairs<Lanes16, T> || d % 32 == 0))
+    attend_chunks(Lanes16{});
+  else
+#endif
+    attend_chunks(Lanes8{});
   at::Tensor out = at::empty({b, h_q, 1, d}, q.options().dtype(keys.scalar_type()));
   T* o = out.data_ptr<T>();
   at::parallel_for(0, b * h_kv, 1, [&](int64_t lo, int64_t hi) {
