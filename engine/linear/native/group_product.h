@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if !defined(__AVX2__) || !defined(__F16C__) || !defined(__FMA__)
@@ -28,7 +29,30 @@ namespace kvserve {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;  // output rows per tile
-constexpr int kRowsPerPass = 4;
+// Input rows per pass over a tile's codes: as many as the registers hold a sum for beside the tile's 8 operands and
+// its scales. A verifying step's rows (1 + the drafts, 5 by default) then take one pass, not a pass of 4 and one of 1
+// that decodes every code again for one row. A row's sums are its own in any pass: its bits never depend on the pass.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kRowsPerPass = 8;  // 32 registers: a sum per row (one register), the tile's 8 operands
+#else
+constexpr int kRowsPerPass = 4;  // 16 registers: a tile's two parts take two sums per row
+#endif
+
+// Rows [row, m) in passes of kMost rows, then the rest (1 to kMost - 1 rows) in one: pass(rows, first row), rows
+// a std::integral_constant, so that each pass's row count is a template argument (its sums live in registers).
+template <int kMost, typename Pass>
+inline void rest_pass(int64_t rows, int64_t row, Pass& pass) {
+  if constexpr (kMost > 0) {
+    if (rows == kMost) return pass(std::integral_constant<int, kMost>{}, row);
+    rest_pass<kMost - 1>(rows, row, pass);
+  }
+}
+
+template <int kMost, typename Pass>
+inline void in_passes(int64_t row, int64_t m, Pass&& pass) {
+  for (; row + kMost <= m; row += kMost) pass(std::integral_constant<int, kMost>{}, row);
+  rest_pass<kMost - 1>(m - row, row, pass);
+}
 
 // Inputs 16 at a time, as float32 (bfloat16 widened: it is float32's upper half): what the input rows' quantization
 // (QuantizedRows, QuantizedSuperBlocks) is made of. round_codes() gives nearbyint's codes (MXCSR's mode: nearest, ties to
@@ -589,14 +613,9 @@ at::Tensor dot_product(const at::Tensor& rows, const at::Tensor& packed, int64_t
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* p = codes + t * groups * Tile::kTileGroupBytes;
       const auto scales = scales_of(t);
-      int64_t r = 0;
-      for (; r + kRowsPerPass <= m; r += kRowsPerPass)
-        run_tile<Tile, kRowsPerPass>(p, scales, groups, x, r, in, yp + r * padded + t * kTile, padded);
-      float* rest = yp + r * padded + t * kTile;  // the last 1 to 3 rows in one pass: one read of the tile's codes
-      static_assert(kRowsPerPass == 4, "the rest is 1 to 3 rows");
-      if (m - r == 3) run_tile<Tile, 3>(p, scales, groups, x, r, in, rest, padded);
-      else if (m - r == 2) run_tile<Tile, 2>(p, scales, groups, x, r, in, rest, padded);
-      else if (m - r == 1) run_tile<Tile, 1>(p, scales, groups, x, r, in, rest, padded);
+      in_passes<kRowsPerPass>(0, m, [&](auto rows, int64_t r) {
+        run_tile<Tile, rows()>(p, scales, groups, x, r, in, yp + r * padded + t * kTile, padded);
+      });
     }
   });
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();

@@ -78,6 +78,9 @@ inline Floats zero_floats() { return _mm256_setzero_ps(); }
 inline void store(float* y, Floats v) { _mm256_storeu_ps(y, v); }
 #endif
 constexpr int64_t kPartRows = kTile / kParts;  // output rows per part of a tile
+// Input rows per pass over a tile: each row holds two integer sums and a float sum per part in registers, beside
+// the tile's 8 operands and its scales; past 4 rows AVX-512's 32 registers spill.
+constexpr int kSuperBlockRowsPerPass = 4;
 
 // Tile t's 16 outputs of input rows row..row+R-1 into y (row stride `out`), super-block by super-block and, within
 // one, part by part (both AVX2 parts while the super-block's lines are in cache). What differs between the K-quants
@@ -135,7 +138,7 @@ void superblock_tile_amx(const Format& format, int64_t t, const QuantizedSuperBl
 #endif
 
 // Every input row times every tile of a K-quant weight (Format: superblock_tile's), tiles split over torch's
-// threads, input rows kRowsPerPass at a time, then the rest in one pass (a pass per row would read the tile's codes
+// threads, input rows kSuperBlockRowsPerPass at a time, then the rest in one pass (a pass per row would read the tile's codes
 // again for each). From `integer_tiles_from` rows, where this build and process have AMX, each whole 16 rows go
 // through superblock_tile_amx instead: the same integer sums, so a row gets the same bits either way. Checks what
 // every K-quant product shares.
@@ -166,16 +169,10 @@ at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t ou
       _tile_release();
     }
 #endif
-    for (int64_t t = begin; t < end; ++t) {
-      int64_t r = tiled_rows;
-      for (; r + kRowsPerPass <= m; r += kRowsPerPass)
-        superblock_tile<Format, kRowsPerPass>(format, t, x, r, yp + r * padded + t * kTile, padded);
-      float* rest = yp + r * padded + t * kTile;
-      static_assert(kRowsPerPass == 4, "the rest is 1 to 3 rows");
-      if (m - r == 3) superblock_tile<Format, 3>(format, t, x, r, rest, padded);
-      else if (m - r == 2) superblock_tile<Format, 2>(format, t, x, r, rest, padded);
-      else if (m - r == 1) superblock_tile<Format, 1>(format, t, x, r, rest, padded);
-    }
+    for (int64_t t = begin; t < end; ++t)
+      in_passes<kSuperBlockRowsPerPass>(tiled_rows, m, [&](auto rows, int64_t r) {
+        superblock_tile<Format, rows()>(format, t, x, r, yp + r * padded + t * kTile, padded);
+      });
   });
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
 }
