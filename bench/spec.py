@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 import torch
@@ -37,19 +36,40 @@ PASSAGE = ("The KV cache holds, for every sequence slot, every layer and every p
 MIXED = ("quote", "chat", "rename", "chat")  # the mixed streams' tasks, in turn
 MIXED_ROUNDS = 3  # requests each mixed stream sends, one after another
 
+# About 300 tokens of Python (engine/drafts.py's NgramIndex as it stood in session 36, cut mid-method as the
+# task has always been): what the rename task rewrites. Kept here, so that editing that file leaves the task be.
+SNIPPET = '''@dataclass
+class NgramIndex:
+    """For every n-gram (n in NGRAM_SIZES) of a token list, where it last ended, kept as the list grows.
 
-def code_snippet() -> str:
-    """About 300 tokens of this repository's own Python: what the rename task rewrites."""
-    source = (Path(__file__).resolve().parents[1] / "engine" / "drafts.py").read_text()
-    start = source.index("@dataclass\nclass NgramIndex")
-    return source[start: start + 1100]
+    `propose` looks up the n-gram that ends at the newest token among those that ended earlier: each position
+    is indexed once the next token exists, so the newest n-gram never matches itself, and a match's
+    continuation always has at least one token.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index of its last token, latest
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            end = len(self.tokens) - 1  # the previous newest token now has a successor
+            self.ends.update((key, end) for key in ngrams_ending(self.tokens, end))
+            self.tokens.append(token)
+
+    def match(self) -> tuple[int, int] | None:
+        """(n, end of the earlier occurrence) of the longest n-gram ending at the newest token seen before."""
+        for n in NGRAM_SIZES:
+            if len(self.tokens) > n:
+                end'''
+
+
 
 
 def tasks() -> dict[str, tuple[str, dict]]:
     """name -> (the user's message, SamplingParams overrides)."""
     return {
         "rename": ("Rewrite this Python code with the attribute `tokens` renamed to `ids`. Reply with the code only."
-                   f"\n\n```python\n{code_snippet()}\n```", {}),
+                   f"\n\n```python\n{SNIPPET}\n```", {}),
         "quote": (f"Repeat the following paragraph exactly, word for word:\n\n{PASSAGE}", {}),
         "json": ("Invent a person and describe them as a JSON object with name, age, occupation, hobbies and address.",
                  {"grammar": json_schema_grammar(PERSON), "temperature": 0.7, "seed": 1}),
