@@ -317,6 +317,23 @@ def test_a_decode_steps_rows_get_the_bits_they_get_alone_in_every_form(form, bit
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_rows_in_passes_get_the_bits_they_get_alone(kind):
+    """The K-quants' dot products take the input rows in passes of a few (as even as they can be: 13 rows in passes
+    of 5, 4 and 4, or 4, 4, 4 and 1), each row's sums its own: every row gets the bits it gets alone."""
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    codes = {"Q4_K": random_q4_k, "Q5_K": random_q5_k, "Q6_K": random_q6_k}[kind](37, 512)
+    layer = (SubBlock6Linear if kind == "Q6_K" else SuperBlockLinear)(codes, None, torch.float32)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        together = layer(x)
+        for rows in (1, 5, 13):
+            assert torch.equal(layer(x[:rows]), together[:rows])
+        for row in (0, 4, 5, 12):
+            assert torch.equal(together[row], layer(x[row: row + 1])[0])
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_rows_through_integer_tiles_get_the_bits_they_get_alone(kind):
     """Where the CPU has AMX, the K-quants take integer tiles for each whole 16 input rows (the rest dot products):
     the same integer sums in another order, so every row gets the bits it gets alone (a verification row or a

@@ -29,29 +29,34 @@ namespace kvserve {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;  // output rows per tile
-// Input rows per pass over a tile's codes: as many as the registers hold a sum for beside the tile's 8 operands and
-// its scales. A verifying step's rows (1 + the drafts, 5 by default) then take one pass, not a pass of 4 and one of 1
-// that decodes every code again for one row. A row's sums are its own in any pass: its bits never depend on the pass.
+// Input rows per pass over a tile's codes, at most: as many as the registers hold a sum for beside the tile's 8
+// operands and its scales. A row's sums are its own in any pass: its bits never depend on the pass.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kRowsPerPass = 8;  // 32 registers: a sum per row (one register), the tile's 8 operands
 #else
 constexpr int kRowsPerPass = 4;  // 16 registers: a tile's two parts take two sums per row
 #endif
 
-// Rows [row, m) in passes of kMost rows, then the rest (1 to kMost - 1 rows) in one: pass(rows, first row), rows
-// a std::integral_constant, so that each pass's row count is a template argument (its sums live in registers).
+// One pass over `rows` rows (1..kMost) from `row`: pass(rows, row), rows a std::integral_constant, so that each
+// pass's row count is a template argument (its sums live in registers).
 template <int kMost, typename Pass>
-inline void rest_pass(int64_t rows, int64_t row, Pass& pass) {
+inline void one_pass(int64_t rows, int64_t row, Pass& pass) {
   if constexpr (kMost > 0) {
     if (rows == kMost) return pass(std::integral_constant<int, kMost>{}, row);
-    rest_pass<kMost - 1>(rows, row, pass);
+    one_pass<kMost - 1>(rows, row, pass);
   }
 }
 
+// Rows [row, m) in as few passes as kMost rows a pass allow, their sizes as even as they can be: 5 rows in one
+// pass of 5 (a verifying step's 1 + 4), 9 in 5 and 4, not a pass of 1 that decodes every code again for one row.
 template <int kMost, typename Pass>
 inline void in_passes(int64_t row, int64_t m, Pass&& pass) {
-  for (; row + kMost <= m; row += kMost) pass(std::integral_constant<int, kMost>{}, row);
-  rest_pass<kMost - 1>(m - row, row, pass);
+  const int64_t rows = m - row, passes = (rows + kMost - 1) / kMost;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t size = rows / passes + (p < rows % passes);
+    one_pass<kMost>(size, row, pass);
+    row += size;
+  }
 }
 
 // Inputs 16 at a time, as float32 (bfloat16 widened: it is float32's upper half): what the input rows' quantization

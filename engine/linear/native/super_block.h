@@ -78,9 +78,14 @@ inline Floats zero_floats() { return _mm256_setzero_ps(); }
 inline void store(float* y, Floats v) { _mm256_storeu_ps(y, v); }
 #endif
 constexpr int64_t kPartRows = kTile / kParts;  // output rows per part of a tile
-// Input rows per pass over a tile: each row holds two integer sums and a float sum per part in registers, beside
-// the tile's 8 operands and its scales; past 4 rows AVX-512's 32 registers spill.
+// Input rows per pass over a tile, at most: each row holds two integer sums and a float sum per part in registers,
+// beside the tile's 8 operands and its scales. AVX-512's 32 registers take 5 rows (a verifying step's 1 + 4 drafts
+// in one pass: 1.15x the Q4_K product of 2 passes, 4 and 1), AVX2's 16 take 4.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kSuperBlockRowsPerPass = 5;
+#else
 constexpr int kSuperBlockRowsPerPass = 4;
+#endif
 
 // Tile t's 16 outputs of input rows row..row+R-1 into y (row stride `out`), super-block by super-block and, within
 // one, part by part (both AVX2 parts while the super-block's lines are in cache). What differs between the K-quants
@@ -138,8 +143,8 @@ void superblock_tile_amx(const Format& format, int64_t t, const QuantizedSuperBl
 #endif
 
 // Every input row times every tile of a K-quant weight (Format: superblock_tile's), tiles split over torch's
-// threads, input rows kSuperBlockRowsPerPass at a time, then the rest in one pass (a pass per row would read the tile's codes
-// again for each). From `integer_tiles_from` rows, where this build and process have AMX, each whole 16 rows go
+// threads, input rows in passes of up to kSuperBlockRowsPerPass (in_passes: a pass per row would read the tile's
+// codes again for each). From `integer_tiles_from` rows, where this build and process have AMX, each whole 16 rows go
 // through superblock_tile_amx instead: the same integer sums, so a row gets the same bits either way. Checks what
 // every K-quant product shares.
 template <typename Format>
