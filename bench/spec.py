@@ -63,8 +63,6 @@ class NgramIndex:
                 end'''
 
 
-
-
 def tasks() -> dict[str, tuple[str, dict]]:
     """name -> (the user's message, SamplingParams overrides)."""
     return {

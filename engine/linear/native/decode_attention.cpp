@@ -331,8 +331,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         const int64_t chunk = task / h_kv, head = task % h_kv, r = row_of[chunk];
         for (int64_t h = 0; h < g; ++h) {
           const Q* qh = q_data + r * q.stride(0) + (head * g + h) * q.stride(1);
-          for (int64_t j = 0; j < d; ++j) scratch.queries[h * d + j] = to_float(qh[j]) * scale;
-          std::copy(qh, qh + d, scratch.stored.data() + h * d);
+          if constexpr (kPairs<L, T>)  // the queries as score_keys reads them: as stored, or widened and scaled
+            std::copy(qh, qh + d, scratch.stored.data() + h * d);
+          else
+            for (int64_t j = 0; j < d; ++j) scratch.queries[h * d + j] = to_float(qh[j]) * scale;
         }
         const int64_t offset = (slot[r] * h_kv + head) * capacity * d;
         float* p = partial.data() + task * stride;
