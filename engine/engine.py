@@ -134,6 +134,7 @@ class Engine:
         self.corpus = SuffixCorpus(config.suffix_tokens) if self.speculative in ("suffix", "auto") else None
         for entry in summary(list(model.plan)):  # which layer serves each product, decided as the model was built
             log.info("linear %s (x%d): %s, %s", entry["matrices"], entry["count"], entry["layer"], entry["reason"])
+        log.info("weights: %s", model.pages.describe())
         log.info(self.cache.describe())
 
     def _slots(self, model_config, max_seq_len: int, lookahead: int) -> int:

@@ -72,6 +72,7 @@ def create_app(runner: EngineRunner, settings: Settings) -> FastAPI:
             "device": str(engine.device), "max_batch_size": engine.slots, "max_seq_len": engine.max_seq_len,
             "max_queue": runner.max_queue, "compiled_decode": list(engine.compiled_graphs),
             "quantized": engine.quantized, "weights_bytes": runner.weights_bytes,
+            "weights_on_huge_pages_bytes": engine.model.pages.huge,
             "prefix_caching": engine.config.prefix_caching, "speculative_decoding": engine.speculation,
             # Which layer serves each linear product and why, decided once as the model was built.
             "linear_layers": summary(plan), "weights_served": served_by_type(plan),

@@ -93,7 +93,7 @@ RESPONSE_BODIES = {  # the 200 bodies, by schema name
     "ModelList": obj({"object": STR, "data": array(obj({"id": STR, "object": STR, "created": INT, "owned_by": STR},
                                                          {"max_model_len": INT}))}),
     "Info": obj({"model_id": STR, "dtype": STR, "device": STR, "max_batch_size": INT, "max_seq_len": INT,
-                 "quantized": BOOL, "weights_bytes": INT, "prefix_caching": BOOL, "compiled_decode": array(STR),
+                 "quantized": BOOL, "weights_bytes": INT, "weights_on_huge_pages_bytes": INT, "prefix_caching": BOOL, "compiled_decode": array(STR),
                  "speculative_decoding": obj({"method": {"enum": ["off", "ngram", "suffix", "auto"]},
                                               "num_speculative_tokens": INT, "draft_tokens": INT,
                                               "accepted_tokens": INT}),

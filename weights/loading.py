@@ -12,6 +12,7 @@ from engine import Engine, EngineConfig, Tokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.heap import release_freed_memory
 from engine.linear.planner import Planner
+from engine.pages import onto_huge_pages
 from engine.models.model import Transformer, build_model
 from engine.tensor_parallel import Shard, shard_model
 from weights.checkpoint import load_checkpoint, stores_quantized
@@ -28,8 +29,7 @@ def load_model(path: str | Path, config: EngineConfig = EngineConfig()) -> Trans
     model_config, state, mode = served_checkpoint(path, config.quantize, config.dtype, device)
     model = build_model(model_config, state, device, Planner.for_machine(device, mode, config.dense_copies))
     del state  # the checkpoint's tensors, where the layers repacked them
-    release_freed_memory()
-    return model
+    return settled(model)
 
 
 def load_shard(path, device: str, dtype: str, quantize: str, shard: Shard, group: dist.ProcessGroup | None = None
@@ -40,8 +40,16 @@ def load_shard(path, device: str, dtype: str, quantize: str, shard: Shard, group
     config, state, mode = served_checkpoint(path, quantize, dtype, resolved)
     model = shard_model(config, state, shard, resolved, group, Planner.for_machine(resolved, mode))
     del state
+    return settled(model), tokenizer
+
+
+def settled(model: Transformer) -> Transformer:
+    """`model` as it will be served: a CPU model's weights on huge pages (engine/pages.py), and the memory that
+    building it freed (the checkpoint, the repacking's temporaries, the tensors just moved) handed back."""
+    if next(model.parameters()).device.type == "cpu":
+        model.pages = onto_huge_pages(model)
     release_freed_memory()
-    return model, tokenizer
+    return model
 
 
 def served_checkpoint(path, quantize: str, dtype: str, device: torch.device) -> tuple:

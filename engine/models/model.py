@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.linear.codes import QuantizedWeight
 from engine.linear.planner import Decision, Machine, Planner, Role
+from engine.pages import Placement
 from engine.rope import RotaryTable
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes kvserve's rms_norm computes in
@@ -38,6 +39,7 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.plan: tuple[Decision, ...] = ()  # which layer serves each linear product, and why (`build_model`)
+        self.pages = Placement(0, 0)  # the weights moved onto huge pages, where the loader moved them
 
     def forward(
         self,
