@@ -64,7 +64,8 @@ def onto_huge_pages(model: nn.Module) -> Placement:
             for name, tensor in table.items():
                 if placeable(tensor) and identity(tensor) in moved:
                     placed = moved[identity(tensor)]
-                    table[name] = nn.Parameter(placed, requires_grad=False) if isinstance(tensor, nn.Parameter) else placed
+                    is_parameter = isinstance(tensor, nn.Parameter)
+                    table[name] = nn.Parameter(placed, requires_grad=False) if is_parameter else placed
     retie_parameters(model)
     return Placement(size, huge_bytes(memory.data_ptr() + start, size))
 
