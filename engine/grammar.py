@@ -142,12 +142,14 @@ def bitmasks_along(matcher: LLMatcher, tokens: list[int]) -> list[torch.Tensor]:
 
 
 def allowed_tokens(matchers: list[LLMatcher | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """(b, V) bool: the tokens each row's grammar allows next (every token for a row without one); None if no row has one."""
+    """(b, W) int32 bitmasks: the tokens each row's grammar allows next (every token for a row without one); None if
+    no row has one."""
     return allowed_from([bitmask(m) if m is not None else None for m in matchers], vocab_size, device)
 
 
 def allowed_from(masks: list[torch.Tensor | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """(b, V) bool from each row's bitmask (None: every token allowed); None if no row has one."""
+    """(b, W) int32 from each row's bitmask (None: every token allowed), W words enough for `vocab_size` tokens and
+    every mask; None if no row has one. Bit j of word w is token 32·w + j (the sampler's `masked` reads them)."""
     if not any(mask is not None for mask in masks):
         return None
     words = max((vocab_size + 31) // 32, *(len(mask) for mask in masks if mask is not None))
@@ -155,6 +157,4 @@ def allowed_from(masks: list[torch.Tensor | None], vocab_size: int, device: torc
     for row, mask in enumerate(masks):
         if mask is not None:
             bits[row, :len(mask)] = mask
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = (bits[:, :, None] >> shifts) & 1  # (b, words, 32): bit j of word w is token 32·w + j
-    return allowed.reshape(len(masks), words * 32)[:, :vocab_size].bool().to(device)
+    return bits.to(device)

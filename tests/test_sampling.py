@@ -9,8 +9,8 @@ import torch
 
 from engine import InvalidParameter, SamplingParams
 from engine.linear.native import load_kernels
-from engine.sampler import normalize, select_tokens
-from engine.sampling import apply_repetition_penalty, draw, min_p_filter, top_k_filter, top_p_filter
+from engine.sampler import first_max, masked, normalize, select_tokens
+from engine.sampling import apply_repetition_penalty, draw, min_p_filter, top_k_filter, top_p_filter, uniform
 
 NEG_INF = float("-inf")
 
@@ -165,17 +165,29 @@ def test_temperature_below_epsilon_is_greedy():
     assert not SamplingParams(temperature=1e-4).greedy
 
 
-def test_draw_follows_the_distribution_and_depends_only_on_seed_and_step():
+def kernel_draw(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    return torch.ops.kvserve.draw(scores.contiguous(), uniform(seeds, steps))
+
+
+# torch's form (any device) and kvserve's kernel (the CPU's, where it builds): the same rule.
+DRAWS = [draw, pytest.param(kernel_draw, marks=pytest.mark.skipif(
+    load_kernels() is not None, reason=f"kvserve's kernels are off here: {load_kernels()}"))]
+
+
+@pytest.mark.parametrize("draw", DRAWS)
+@pytest.mark.parametrize("filler", [0, 33])  # 0: 4 tokens, a tail alone; 33: whole runs of 8 before them, unlikely
+def test_draw_follows_the_distribution_and_depends_only_on_seed_and_step(draw, filler):
     probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
-    scores = probs.log().expand(4000, -1)
+    scores = torch.cat([torch.full((4000, filler), -90.0), probs.log().expand(4000, -1)], dim=1)  # e^-90: no weight
     seeds, steps = torch.arange(4000), torch.full((4000,), 7)
     tokens = draw(scores, seeds, steps)
-    frequencies = torch.bincount(tokens, minlength=4) / 4000
+    frequencies = torch.bincount(tokens - filler, minlength=4) / 4000
     torch.testing.assert_close(frequencies, probs, atol=0.03, rtol=0)  # 4 sigma of a 4000-draw estimate
     assert draw(scores[:5], seeds[:5], steps[:5]).tolist() == tokens[:5].tolist()  # the batch does not matter
     assert draw(scores[:5], seeds[:5], steps[:5] + 1).tolist() != tokens[:5].tolist()
-    filtered = scores.masked_fill(torch.tensor([False, True, False, False]), float("-inf"))
-    assert (draw(filtered, seeds, steps) != 1).all()  # a filtered token is never drawn
+    filtered = scores.clone()
+    filtered[:, filler + 1] = float("-inf")
+    assert (draw(filtered, seeds, steps) != filler + 1).all()  # a filtered token is never drawn
 
 
 def test_repetition_penalty_sees_token_zero_beside_padding():
@@ -190,12 +202,25 @@ def test_repetition_penalty_sees_token_zero_beside_padding():
     assert penalized[0].tolist() == [2.0, 1.0, 1.0, 1.0, 1.0]
 
 
-def test_draw_never_lands_on_a_token_without_weight():
-    scores = torch.full((500, 6), float("-inf"))
-    scores[:, 2] = 0.0  # the only token with weight, among filtered ones after it and before it
+@pytest.mark.parametrize("draw", DRAWS)
+@pytest.mark.parametrize("vocab, token", [(6, 2), (49152, 20000)])  # a tail alone; a grammar's forced token
+def test_draw_never_lands_on_a_token_without_weight(draw, vocab, token):
+    scores = torch.full((500, vocab), float("-inf"))
+    scores[:, token] = 0.0  # the only token with weight, among filtered ones after it and before it
     scores[:, 0] = -100.0  # odds of e^-100: weighed 0, as float32 cannot tell them from nothing
     tokens = draw(scores, torch.arange(500), torch.zeros(500, dtype=torch.long))
-    assert (tokens == 2).all()
+    assert (tokens == token).all()
+
+
+@pytest.mark.skipif(load_kernels() is not None, reason=f"kvserve's kernels are off here: {load_kernels()}")
+def test_the_kernels_draw_is_torchs_but_at_a_rounding():
+    """The same rule over a real vocabulary: the tokens differ only where a draw falls within roundings of a
+    boundary between two tokens (exp and the order of sums differ); a row's token is its own, whatever the batch."""
+    scores = torch.randn(400, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    seeds, steps = torch.arange(400), torch.full((400,), 11)
+    got, want = kernel_draw(scores, seeds, steps), draw(scores, seeds, steps)
+    assert (got == want).sum() >= 398
+    assert torch.equal(kernel_draw(scores[7:9], seeds[7:9], steps[7:9]), got[7:9])
 
 
 @pytest.mark.skipif(load_kernels() is not None, reason=f"kvserve's kernels are off here: {load_kernels()}")
@@ -219,3 +244,26 @@ def test_a_row_of_non_finite_logits_is_refused(bad):
         logits[1, 50] = bad
         with pytest.raises(FloatingPointError, match="non-finite"):
             normalize(logits)
+
+
+@pytest.mark.skipif(load_kernels() is not None, reason=f"kvserve's kernels are off here: {load_kernels()}")
+@pytest.mark.parametrize("vocab", [5, 37, 49152])  # 5 and 37: tails past the last 8 and the last whole word
+def test_the_kernels_grammar_mask_is_the_bitmask_unpacked(vocab):
+    """llguidance's words, bit j of word w for token 32·w + j (a spare word past the vocabulary, as it may send),
+    against the bits unpacked one by one; then the greedy token is the best allowed one."""
+    words = torch.randint(-2**31, 2**31 - 1, (3, vocab // 32 + 2), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(vocab))
+    words[2] = 0
+    words[2, 0] = 1 << 3  # one token allowed: a grammar's forced token
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab + 1))
+    allowed = torch.tensor([[(int(words[r, i // 32]) >> (i % 32)) & 1 for i in range(vocab)] for r in range(3)]).bool()
+    want = torch.where(allowed, logits, torch.tensor(NEG_INF))
+    assert torch.equal(masked(logits, words), want)
+    assert torch.equal(first_max(masked(logits, words)), want.argmax(dim=-1)) and first_max(want)[2] == 3
+
+    class Greedy:  # what select_tokens reads of a request
+        params, prompt_ids, output_ids, seed = SamplingParams(temperature=0), [], [], 0
+
+    picks = select_tokens(logits, [Greedy()] * 3, words)
+    assert [p.token for p in picks] == want.argmax(dim=-1).tolist()
+    assert [p.logprob for p in picks] == pytest.approx((logits.log_softmax(-1)[range(3), want.argmax(-1)]).tolist())

@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "eight.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -22,31 +24,6 @@
 
 namespace kvserve {
 namespace {
-
-// exp(x) for x <= 0, to about a float32 ulp (Cephes' expf: x = n·ln 2 + f, |f| <= ln 2 / 2, a degree-5 polynomial
-// in f, then 2^n into the exponent); 0 below -87.3 (past float32's smallest normal number).
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: f exact to float32
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
-}
-
-inline float lanes_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
 
 // (first index of the maximum, log-sum-exp) of one row, in one fixed order of operations.
 std::tuple<int64_t, float> row_log_norm(const float* x, int64_t n) {
