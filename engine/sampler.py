@@ -48,7 +48,8 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState],
     best, log_norm = normalize(logits)
     scores = logits if allowed is None else masked(logits, allowed)
     scores = _penalize(scores, rows) if any(r.params.has_penalties for r in rows) else scores
-    tokens = best if scores is logits else first_max(scores)  # unfiltered rows: the max already found it
+    greedy_filtered = scores is not logits and any(r.params.greedy for r in rows)
+    tokens = first_max(scores) if greedy_filtered else best  # unfiltered rows: the max already found it
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         picked = _sample(scores[sampled], [rows[i] for i in sampled])
