@@ -140,22 +140,42 @@ def apply_additive_penalties(logits: torch.Tensor, counts: torch.Tensor, presenc
 
 
 def top_k_filter(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's k largest logits (k (b,), 0 = keep all); the rest become -inf."""
+    """Keep each row's k largest logits (k (b,), 0 = keep all); the rest become -inf.
+
+    The k-th largest from a partial selection of the largest max(k) (topk), not a sort of the whole vocabulary: 16
+    rows of 49,152 logits sorted took 31 ms, more than the step that made them."""
     vocab = logits.shape[-1]
     k = torch.where(k > 0, k, vocab).clamp(max=vocab)
-    kth_largest = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    limited = k < vocab  # rows that drop anything
+    if not bool(limited.any()):
+        return logits
+    largest = logits.topk(int(k[limited].max()), dim=-1).values  # (b, max k), largest first
+    kth_largest = largest.gather(-1, (k.clamp(max=largest.shape[-1]) - 1)[:, None])  # (b, 1)
+    kth_largest = torch.where(limited[:, None], kth_largest, float("-inf"))  # the others keep every token
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
 def top_p_filter(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches p (b,); always the top one."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
-    drop_sorted = mass_before >= p[:, None]
+    """Keep the smallest set of most likely tokens whose probability reaches p (b,); always the top one; a row with
+    p >= 1 keeps every token.
+
+    First only the 512 most likely tokens are ordered (topk), and the whole vocabulary only where some row's nucleus
+    is wider: a sort took 2 ms a row of 49,152 tokens, where a trained model's nucleus is rarely more than a few
+    hundred tokens."""
+    vocab = logits.shape[-1]
+    active = p < 1
+    probs = logits.softmax(dim=-1)
+    for size in (min(vocab, 512), vocab):
+        top, order = probs.topk(size, dim=-1)  # (b, size), most likely first
+        mass = top.cumsum(dim=-1)
+        if bool(((mass[:, -1] >= p) | ~active).all()):  # every active row's nucleus ends inside
+            break
+    mass_before = mass - top  # probability of strictly more likely tokens
+    drop_sorted = (mass_before >= p[:, None]) & active[:, None]
     drop_sorted[:, 0] = False  # a p that rounds to 0 in float32 (1e-300) must still keep the best token
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    kept = logits.gather(-1, order).masked_fill(drop_sorted, float("-inf"))  # (b, size)
+    filtered = torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)  # past the size: dropped
+    return torch.where(active[:, None], filtered, logits)
 
 
 def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -267,3 +267,23 @@ def test_the_kernels_grammar_mask_is_the_bitmask_unpacked(vocab):
     picks = select_tokens(logits, [Greedy()] * 3, words)
     assert [p.token for p in picks] == want.argmax(dim=-1).tolist()
     assert [p.logprob for p in picks] == pytest.approx((logits.log_softmax(-1)[range(3), want.argmax(-1)]).tolist())
+
+
+def test_top_p_and_top_k_keep_the_most_likely_tokens_of_wide_and_narrow_rows():
+    """Rows whose nucleus is a few tokens, and wider than the first partial selection (512): each keeps exactly the
+    m most likely tokens, m the fewest whose probability reaches p; a row with p = 1 keeps all; top_k its k."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 3000, generator=generator) * torch.tensor([[8.0], [0.3], [2.0], [1.0]])
+    p = torch.tensor([0.9, 0.95, 0.5, 1.0])
+    kept = top_p_filter(logits, p) != NEG_INF
+    order = logits.double().softmax(dim=-1).sort(dim=-1, descending=True)
+    for row in range(3):
+        m = int(kept[row].sum())
+        assert set(order.indices[row, :m].tolist()) == set(kept[row].nonzero()[:, 0].tolist())
+        mass = order.values[row].cumsum(dim=0)
+        assert (m == 1 or mass[m - 2] < p[row] + 1e-5) and mass[m - 1] >= p[row] - 1e-5
+    assert kept[1].sum() > 512 and kept[0].sum() < 512 and kept[3].all()
+    k = torch.tensor([3, 0, 700, 1])
+    top_k = top_k_filter(logits, k) != NEG_INF
+    assert top_k.sum(dim=-1).tolist() == [3, 3000, 700, 1]
+    assert torch.equal(top_k[2], logits[2] >= logits[2].topk(700).values[-1])
