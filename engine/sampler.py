@@ -41,9 +41,9 @@ def select_tokens(logits: torch.Tensor, rows: Sequence[SamplingState],
     """logits (b, V) float32 -> each row's next token, with log-probabilities under the model.
 
     `allowed` (b, W) int32, when given, holds the only tokens each row may take (its grammar's), before any
-    other filter, as llguidance's bitmasks: bit j of word w is token 32·w + j. Log-probabilities are the model's own (before grammars, penalties, temperature
-    and filters), as OpenAI and TGI report them. A row of non-finite logits raises: the model failed
-    on it, and no token drawn from it would mean anything.
+    other filter, as llguidance's bitmasks: bit j of word w is token 32·w + j. Log-probabilities are the model's
+    own (before grammars, penalties, temperature and filters), as OpenAI and TGI report them. A row of non-finite
+    logits raises: the model failed on it, and no token drawn from it would mean anything.
     """
     best, log_norm = normalize(logits)
     scores = logits if allowed is None else masked(logits, allowed)

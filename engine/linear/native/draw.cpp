@@ -39,7 +39,8 @@ inline double run_weights(const float* s, __m256 most, float* w) {
   }
   const __m256 e = _mm256_and_ps(kept, exp_nonpositive(_mm256_max_ps(x, _mm256_set1_ps(kNegligible))));
   _mm256_storeu_ps(w, e);
-  const __m256d pairs = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)), _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  const __m256d pairs =
+      _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)), _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
   const __m128d two = _mm_add_pd(_mm256_castpd256_pd128(pairs), _mm256_extractf128_pd(pairs, 1));
   return _mm_cvtsd_f64(_mm_add_sd(two, _mm_unpackhi_pd(two, two)));
 }
