@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 from engine.linear.native import kernels_run_on
@@ -110,20 +111,35 @@ def score(logits: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[int],
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[SamplingState]) -> torch.Tensor:
+    """The rows' penalties, computed on the logits of the tokens each row saw (prompt and output) and written back
+    over a copy: every other logit is left as it is by both penalties (a count of 0 subtracts 0). Over the whole
+    (b, V), torch's `where` on a sign mask took 1.4 ms for 16 rows, and the penalties 16-18 ms in all."""
     device = logits.device
-    counts = token_counts(logits, [r.output_ids for r in rows])
-    seen = (counts + token_counts(logits, [r.prompt_ids for r in rows])) > 0  # in the prompt or the output
-    logits = apply_repetition_penalty(logits, seen, column(rows, "repetition_penalty", device))
-    return apply_additive_penalties(logits, counts, column(rows, "presence_penalty", device),
-                                    column(rows, "frequency_penalty", device))
+    seen = [r.prompt_ids + r.output_ids for r in rows]
+    width = max(1, max(map(len, seen)))
+    # Padded by repeating the row's first token: a duplicate writes the same value as the original, so the order
+    # of the writes does not matter. A row that saw nothing points at token 0 and changes nothing.
+    ids = id_tensor([row + row[:1] * (width - len(row)) if row else [0] * width for row in seen], device)  # (b, n)
+    any_seen = torch.tensor([[bool(row)] for row in seen], device=device).expand(-1, width)  # (b, n)
+    counts = token_counts(logits, [r.output_ids for r in rows]).gather(-1, ids)  # (b, n): counts in the output
+    values = apply_repetition_penalty(logits.gather(-1, ids), any_seen, column(rows, "repetition_penalty", device))
+    values = apply_additive_penalties(values, counts, column(rows, "presence_penalty", device),
+                                      column(rows, "frequency_penalty", device))
+    return logits.clone().scatter_(-1, ids, values)
 
 
 def token_counts(like: torch.Tensor, ids: Sequence[list[int]]) -> torch.Tensor:
     """(b, V) float32: how often each token id occurs in each row's list, from one padded tensor."""
     width = max(1, max(map(len, ids)))
-    padded = torch.tensor([row + [-1] * (width - len(row)) for row in ids], device=like.device)  # -1 past the end
+    padded = id_tensor([row + [-1] * (width - len(row)) for row in ids], like.device)  # -1 past the end
     # Added, not assigned: a padding entry (clamped to id 0) adds 0 and cannot hide a real token 0.
     return torch.zeros_like(like, dtype=torch.float32).scatter_add_(-1, padded.clamp(min=0), (padded >= 0).float())
+
+
+def id_tensor(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(b, n) int64 from rows of equal length, through numpy: torch.tensor takes about 120 ns an element of nested
+    lists (1.9 ms for 16 rows of 900 tokens), numpy a seventh of that."""
+    return torch.from_numpy(np.array(rows, dtype=np.int64).reshape(len(rows), -1)).to(device)
 
 
 def column(rows: Sequence[SamplingState], name: str, device: torch.device) -> torch.Tensor:

@@ -287,3 +287,31 @@ def test_top_p_and_top_k_keep_the_most_likely_tokens_of_wide_and_narrow_rows():
     top_k = top_k_filter(logits, k) != NEG_INF
     assert top_k.sum(dim=-1).tolist() == [3, 3000, 700, 1]
     assert torch.equal(top_k[2], logits[2] >= logits[2].topk(700).values[-1])
+
+
+def test_penalties_on_the_seen_tokens_alone_equal_them_over_the_whole_vocabulary():
+    """_penalize computes on each row's seen tokens and writes them back: the same bits as both penalties applied
+    to every logit (a token unseen, or seen only in the prompt, meets a count of 0), rows with repeated tokens,
+    token 0 and a row that saw nothing among them."""
+    from engine.sampler import _penalize
+    from engine.sampling import apply_additive_penalties
+
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 300, generator=generator) * 3
+    logits[:, 0] = torch.tensor([2.0, -2.0, 0.0, 1.0])
+    rows = [Sampled(repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
+            for r, p, f in ((1.3, 0.5, 0.2), (0.7, -0.4, 0.0), (1.0, 0.0, -0.3), (2.0, 1.0, 1.0))]
+    rows[0].prompt_ids, rows[0].output_ids = [0, 5, 5, 299], [7, 7, 7, 0]
+    rows[1].prompt_ids, rows[1].output_ids = [3], [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    rows[2].prompt_ids, rows[2].output_ids = [], []
+    rows[3].prompt_ids, rows[3].output_ids = list(range(100)), [250]
+    counts = torch.zeros(4, 300)
+    seen = torch.zeros(4, 300, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        for token in row.output_ids:
+            counts[i, token] += 1
+        seen[i, row.prompt_ids + row.output_ids] = True
+    want = apply_repetition_penalty(logits, seen, torch.tensor([1.3, 0.7, 1.0, 2.0]))
+    want = apply_additive_penalties(want, counts, torch.tensor([0.5, -0.4, 0.0, 1.0]),
+                                    torch.tensor([0.2, 0.0, -0.3, 1.0]))
+    assert torch.equal(_penalize(logits, rows), want)
