@@ -55,18 +55,18 @@ def onto_huge_pages(model: nn.Module) -> Placement:
         region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are huge from their first fault
     memory = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the region mapped
     start = -memory.data_ptr() % HUGE_PAGE  # the unused head is never touched, so never resident
-    moved = {}
+    moved, parameters = {}, {}
     for key, tensor in tensors.items():
         place = memory[start + offsets[key]:start + offsets[key] + tensor.nbytes]
         moved[key] = place.view(tensor.dtype).view(tensor.shape).copy_(tensor)
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
-                if placeable(tensor) and identity(tensor) in moved:
-                    placed = moved[identity(tensor)]
-                    is_parameter = isinstance(tensor, nn.Parameter)
-                    table[name] = nn.Parameter(placed, requires_grad=False) if is_parameter else placed
-    retie_parameters(model)
+                key = identity(tensor) if placeable(tensor) else None
+                if key in moved and isinstance(tensor, nn.Parameter):  # one per tensor: a tied head shares it
+                    table[name] = parameters.setdefault(key, nn.Parameter(moved[key], requires_grad=False))
+                elif key in moved:
+                    table[name] = moved[key]
     return Placement(size, huge_bytes(memory.data_ptr() + start, size))
 
 
@@ -90,15 +90,6 @@ def placeable(tensor: torch.Tensor | None) -> bool:
 def identity(tensor: torch.Tensor) -> tuple:
     """Two names for the same memory, shape and type are one tensor to move."""
     return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)
-
-
-def retie_parameters(model: nn.Module) -> None:
-    """One Parameter object per moved tensor, as before the move: a tied head and its embedding share it again."""
-    shared = {}
-    for module in model.modules():
-        for name, tensor in module._parameters.items():
-            if placeable(tensor):
-                module._parameters[name] = shared.setdefault(identity(tensor), tensor)
 
 
 def huge_bytes(address: int, size: int) -> int:

@@ -12,8 +12,8 @@ from engine import Engine, EngineConfig, Tokenizer
 from engine.device import resolve_device, resolve_dtype
 from engine.heap import release_freed_memory
 from engine.linear.planner import Planner
-from engine.pages import onto_huge_pages
 from engine.models.model import Transformer, build_model
+from engine.pages import onto_huge_pages
 from engine.tensor_parallel import Shard, shard_model
 from weights.checkpoint import load_checkpoint, stores_quantized
 

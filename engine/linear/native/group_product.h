@@ -1,8 +1,8 @@
 // What the 4-bit and 8-bit group-code products share: the inputs quantized to 8 bits per group of 32, and the
 // loop that runs a tile kernel over every 16-row tile of the weight (split over torch's threads) and every
 // input row (in passes of up to kRowsPerPass rows that share one load of the tile's codes; with AMX's integer
-// tiles, of up to 16 rows whose products with a group are one tile product). With AMX's bfloat16 tiles, for many input rows, the
-// weights are instead dequantized to bfloat16 once per call and multiplied by the inputs in bfloat16.
+// tiles, of up to 16 rows whose products with a group are one tile product). With AMX's bfloat16 tiles, for many
+// input rows, the weights are instead dequantized to bfloat16 once per call and multiplied by the inputs in bfloat16.
 // The caller says from how many rows each form runs (measured for the CPU at load: engine/linear/timing.py).
 //
 // A product's result with integer codes: Σ_i w_i·x_i with w_i = s·q_i + m per group, computed as
