@@ -123,7 +123,16 @@ def test_a_tied_embedding_reads_its_rows_from_the_heads_codes_where_they_can():
     tokens = torch.tensor([[0, 17, 47], [16, 15, 3]])
     with torch.inference_mode():
         assert torch.equal(lookup.layer(tokens), codes.dequantize().bfloat16()[tokens])
-    switching = Planner(KERNELS, "auto", timings=Given(head=3)).plan(codes, None, Role("lm_head", embedding))
+    # Measured faster from 3 rows, the dense table is still not kept for the head's sake: only prefill's prompt
+    # scoring would run it (a decode step takes the codes at any row count).
+    measured = Planner(KERNELS, "auto", timings=Given(head=3)).plan(codes, None, Role("lm_head", embedding))
+    assert measured.layer is not None and measured.kind == "Codes4Linear"
+    assert measured.reason.endswith("codes at every row count (the embedding reads its rows from them: no dense "
+                                    "table held for prompt scoring alone)")
+    assert isinstance(Planner(KERNELS).embedding(embedding, measured, torch.bfloat16).layer, CodesEmbedding)
+    # With dense copies (memory traded for prefill speed) the table is kept as the head's dense form from 3 rows.
+    switching = Planner(KERNELS, "auto", dense_copies=True, timings=Given(head=3)).plan(codes, None,
+                                                                                       Role("lm_head", embedding))
     dense = Planner(KERNELS).embedding(embedding, switching, torch.bfloat16)
     assert isinstance(dense.layer, torch.nn.Embedding) and dense.layer.weight.data_ptr() == embedding.data_ptr()
     assert dense.reason == "dense bfloat16: also the LM head's dense form, from 3 rows"

@@ -165,6 +165,12 @@ class Planner:
         """The codes alone, or TwoForms with a dense form from the row count measured: the tied head's embedding
         (a packed copy of it with dense copies), or with dense copies a block layer's own copy."""
         if role.head and role.tied_embedding is not None:
+            if isinstance(codes, ROW_READABLE) and not self.dense_copies:
+                # A decode step takes the codes at any row count (TwoForms), so the dense form would serve only
+                # prefill's head over many rows (prompt scoring): not worth a dense table of the vocabulary beside
+                # codes that serve the lookups too (SmolLM2: 57 MB, 8% of its server). dense_copies buys it back.
+                return Decision(role.name, codes, f"{how}; codes at every row count (the embedding reads its rows from "
+                                "them: no dense table held for prompt scoring alone)", served)
             embedding = role.tied_embedding
             dense, _ = self._dense_layer(embedding, codes.bias, packable=self.dense_copies)
             switch = self.switch(codes, dense, f"head {type(codes).__name__} {shape(codes)} vs embedding {type(dense).__name__}")

@@ -4,8 +4,10 @@ Torch's weight-only kernels are fastest for a few rows and slower than a dense p
 unpack the codes again for every small block of rows, while a dense product reads its weight once for all
 rows. Where the two cross depends on the CPU; the planner (engine/linear/planner.py) gives each TwoForms the
 row count measured for this machine (engine/linear/timing.py). Two places have a dense form:
-- the LM head of a quantized model with tied embeddings (SmolLM2, Qwen2, Llama 3.2): its dense form is
-  the embedding itself, which stays dense for row lookups, so it costs no memory;
+- the LM head of a quantized model with tied embeddings (SmolLM2, Qwen2, Llama 3.2), where its codes cannot
+  give the lookups their rows (torch's int4 kernel, int8 rows quantized at load): its dense form is the embedding
+  itself, held dense for the lookups anyway, so it costs no memory. Codes that read their rows back serve the
+  lookups and the head alone: a dense table beside them would serve only prefill's prompt scoring;
 - with `dense_copies`, every quantized layer of the blocks: a bfloat16 copy of its weight, for prefill, at the
   price of that copy's memory (four times int4 codes).
 A decode step, at any batch size, takes the codes: a row then gets the same bits whatever runs beside it.
