@@ -163,7 +163,8 @@ class Planner:
 
     def _with_dense_form(self, codes: WeightOnlyLinear, role: Role, how: str, served: tuple[str, ...]) -> Decision:
         """The codes alone, or TwoForms with a dense form from the row count measured: the tied head's embedding
-        (a packed copy of it with dense copies), or with dense copies a block layer's own copy."""
+        where its codes cannot serve the lookups (a packed copy of it with dense copies), or with dense copies a
+        block layer's own copy."""
         if role.head and role.tied_embedding is not None:
             if isinstance(codes, ROW_READABLE) and not self.dense_copies:
                 # A decode step takes the codes at any row count (TwoForms), so the dense form would serve only
