@@ -70,7 +70,9 @@ def checkpoint(path: str | None, dtype: str) -> tuple[ModelConfig, dict[str, tor
         config, state = load_checkpoint(Path(path), getattr(torch, dtype))
         return config, state, Tokenizer.from_dir(Path(path))
     torch.manual_seed(0)
-    state = {name: tensor.to(getattr(torch, dtype)) for name, tensor in Transformer(RANDOM).state_dict().items()}
+    model = Transformer(RANDOM)
+    torch.nn.init.normal_(model.embed_tokens.weight)  # Transformer leaves its embedding uninitialized
+    state = {name: tensor.to(getattr(torch, dtype)) for name, tensor in model.state_dict().items()}
     return RANDOM, state, None
 
 

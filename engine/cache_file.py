@@ -165,6 +165,19 @@ def set_aside(folder: Path) -> None:
         aside.unlink(missing_ok=True)
 
 
+def compiled_root() -> Path:
+    """The folder of what kvserve compiles for this machine (its kernels, their timings, compiled decode steps):
+    `kvserve/` in torch's compile cache (TORCHINDUCTOR_CACHE_DIR, or torch's default). Read from the environment
+    where it is set (a server always sets it): torch's own lookup imports its compiler, over 100 MB, which a
+    process serving steps compiled ahead of time never needs."""
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named:
+        return Path(os.path.abspath(named)) / "kvserve"
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # torch's default folder, which it then names
+
+    return Path(cache_dir()) / "kvserve"
+
+
 def writable(folder: Path) -> bool:
     """Whether files can be created in `folder` (made if missing): a read-only mount or a foreign owner says no."""
     try:

@@ -119,9 +119,7 @@ def cached_library(compiler: str) -> Path:
     key.update(torch.__version__.encode())
     key.update(subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.encode())
     key.update((cpu_description() or platform.processor()).encode())  # -march=native builds for exactly this CPU
-    from torch._inductor.runtime.cache_dir_utils import cache_dir  # TORCHINDUCTOR_CACHE_DIR, or torch's default
-
-    return Path(cache_dir()) / "kvserve" / f"kernels-{key.hexdigest()[:20]}.so"
+    return cache_file.compiled_root() / f"kernels-{key.hexdigest()[:20]}.so"
 
 
 def build(compiler: str, library: Path, arch: str = "native") -> None:

@@ -268,8 +268,8 @@ def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 def dense_embedding(weight: torch.Tensor) -> nn.Embedding:
     """An nn.Embedding holding exactly this table (no initialisation)."""
-    with torch.device("meta"):
-        layer = nn.Embedding(*weight.shape)
+    with torch.device("meta"):  # made uninitialized, as Transformer makes its own (engine/models/model.py)
+        layer = nn.Embedding(*weight.shape, _weight=torch.empty(weight.shape))
     layer.weight = as_parameter(weight)
     return layer
 

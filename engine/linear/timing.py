@@ -74,12 +74,11 @@ class Timings:
     @classmethod
     def for_machine(cls, kernels: Path | None) -> "Timings":
         """The record for this CPU, torch and kernels' library (`kernels`, None where they are off)."""
-        from torch._inductor.runtime.cache_dir_utils import cache_dir  # TORCHINDUCTOR_CACHE_DIR, or torch's default
         from engine.device import cpu_description
 
         key = hashlib.sha256("\n".join([cpu_description() or platform.processor(), torch.__version__,
                                         kernels.name if kernels else "torch's kernels only"]).encode())
-        return cls(Path(cache_dir()) / "kvserve" / f"timings-{key.hexdigest()[:20]}.json")
+        return cls(cache_file.compiled_root() / f"timings-{key.hexdigest()[:20]}.json")
 
     def forms(self, measure: Callable[[], tuple[ProductForms, str]]) -> ProductForms:
         """The recorded product forms, or `measure()`'s (forms, timings described), then recorded."""

@@ -31,7 +31,10 @@ class Transformer(nn.Module):
         self.embedding_scale = {dtype: torch.tensor(scale, dtype=dtype, device="cpu").item()
                                 for dtype in (torch.float32, torch.bfloat16, torch.float16)
                                 } if architecture.scaled_embedding else None
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Made uninitialized (its weight is loaded): normal_ on the meta device runs a Python reference that imports
+        # torch's compiler, about 70 MB that a process serving compiled-ahead steps never needs.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(architecture.block(config, i, architecture.norm, architecture.qk_norm)
                                     for i in range(config.num_layers))
         self.norm = architecture.norm(config.hidden_size, config.rms_norm_eps)
