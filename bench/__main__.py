@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-batch-size", type=int, default=16)
     weights(serve)
-    serve.add_argument("--compile", default="off", choices=["auto", "on", "off"],
+    serve.add_argument("--compile", default="off", choices=["auto", "on", "aot", "off"],
                        help="the server's --compile; with auto or on, timings start once its compile thread is done")
 
     prefix = command("prefix", help="prefix caching on vs off over HTTP: a growing chat, one system prompt for many "
@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     quants.add_argument("--turns", type=int, default=8,
                         help="one stream again, a request to each server and a llama-bench tg run in turn, this "
                              "many turns (0: none)")
-    quants.add_argument("--compile", choices=("auto", "on", "off"), default="on")
+    quants.add_argument("--compile", choices=("auto", "on", "aot", "off"), default="on")
 
     spec = command("spec", help="speculative decoding vs none: tasks that quote their input, JSON, free chat, mixed "
                                 "streams; tokens/s and whether the output stayed the same")
     spec.add_argument("--model", default=None, help="checkpoint (default: the default model)")
     spec.add_argument("--dtype", default="auto")
-    spec.add_argument("--compile", default="on", choices=["auto", "on", "off"])
+    spec.add_argument("--compile", default="on", choices=["auto", "on", "aot", "off"])
     spec.add_argument("--speculative", default="auto", choices=["ngram", "suffix", "auto"])
     spec.add_argument("--num-speculative-tokens", type=int, default=4)
     spec.add_argument("--streams", type=int, default=16, help="requests of the mixed load, decoded side by side")

@@ -231,10 +231,15 @@ class Engine:
         if reason:
             log.info("decode stays eager: %s", reason)
             return False
-        if self.executor.compiles_code:
-            self.executor.compile()
-        else:
+        if not self.executor.compiles_code:
             self.executor.capture()
+        elif self.config.compile == "aot" and self.model.embedding_scale is None:
+            self.executor.load_packages()
+        else:
+            if self.config.compile == "aot":  # Gemma's graph break (Transformer.forward) has no place in one program
+                log.info("decode steps compiled by torch.compile, not ahead of time: a scaled embedding breaks "
+                         "the step in two")
+            self.executor.compile()
         return True
 
     def check_prompt_ids(self, prompt_ids: Sequence[int]) -> None:

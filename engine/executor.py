@@ -23,6 +23,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ from engine.rope import RotaryTable
 
 log = logging.getLogger("kvserve.executor")
 
-COMPILE_MODES = ("auto", "on", "off")
+# auto, on: torch.compile (the CPU: inductor in this process; CUDA: graphs captured); aot: the CPU's steps compiled
+# ahead of time into packages, loaded without the compiler (engine/aot_steps.py); off: eager.
+COMPILE_MODES = ("auto", "on", "off", "aot")
 
 
 def compile_unsupported(device: torch.device) -> str | None:
@@ -50,9 +53,7 @@ def compile_unsupported(device: torch.device) -> str | None:
         return None
     if device.type != "cpu":
         return f"compiled decode is implemented for the CPU and CUDA only, not {device.type}"
-    from torch._inductor import config as inductor_config
-
-    compiler = inductor_config.cpp.cxx[-1] or "g++"
+    compiler = os.environ.get("CXX") or "g++"  # inductor's (torch._inductor.config.cpp.cxx), without importing it
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}) for inductor"
     return None
@@ -183,13 +184,15 @@ class DecodeExecutor:
                      self.cache.groups)
 
     def step(self, tokens: torch.Tensor, slot_index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-             groups: tuple[torch.Tensor, ...], attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+             groups: tuple[torch.Tensor, ...], attention: Callable[..., torch.Tensor] | None = None,
+             rotary: RotaryTable | None = None) -> torch.Tensor:
         """The function that is compiled (or captured): the decode forward and the LM head, tensors in, logits out.
-        attention: as GraphDecodeBatch's; by default kvserve's kernel where it runs, else the broadcast form."""
+        attention: as GraphDecodeBatch's; by default kvserve's kernel where it runs, else the broadcast form.
+        rotary: the executor's tables, or the same tensors under an exported module's names (aot_steps)."""
         if attention is None and not self.reads_cache:
             attention = broadcast_attention
         batch = GraphDecodeBatch(slot_index, positions, mask, attention)
-        hidden = self.model(tokens, self.rotary, CacheLayers(groups, self.cache), batch)  # (b, 1, hidden)
+        hidden = self.model(tokens, rotary or self.rotary, CacheLayers(groups, self.cache), batch)  # (b, 1, hidden)
         return self.model.logits(hidden)[:, 0]  # the head over (b, 1, hidden), a decode step's shape -> (b, V)
 
     def capture(self, graphs: bool = True) -> None:
@@ -199,6 +202,18 @@ class DecodeExecutor:
         self.captured = CapturedSteps(step, self.cache, self.rows, capture=graphs)
         log.info("decode steps run as CUDA graphs, each batch size (%s) and key length (%s) captured at first use",
                  ", ".join(map(str, self.captured.batch_sizes)), ", ".join(map(str, self.captured.key_lengths)))
+
+    def load_packages(self) -> None:
+        """Every bucket's step from its package compiled ahead of time (blocking; built first where absent: minutes
+        on a large model), without torch's compiler in this process once they exist (engine/aot_steps.py)."""
+        from engine import aot_steps
+
+        step = aot_steps.StepModule(self)
+        first = time.perf_counter()
+        for name, (smallest, largest) in ((name, self.sizes(name)) for name in self.buckets):
+            self.graphs[name] = aot_steps.load_or_build(step, smallest, largest)
+        log.info("decode compiled for every batch size, ahead of time: %d packages ready in %.1f s", len(self.graphs),
+                 time.perf_counter() - first)
 
     @torch.inference_mode()
     def compile(self) -> None:

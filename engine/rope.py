@@ -49,6 +49,13 @@ class RotaryTable:
         self.tables = {name: self._table(inverse_frequencies(config.head_dim, theta, scaling), max_seq_len,
                                          device, dtype) for name, (theta, scaling) in bases.items()}
 
+    @classmethod
+    def of(cls, tables: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> "RotaryTable":
+        """A table over given (cos, signed sin) tensors by base (a compiled step's own names for the same tensors)."""
+        table = cls.__new__(cls)
+        table.tables = tables
+        return table
+
     @staticmethod
     def _table(inv_freq: torch.Tensor, max_seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, d/2)

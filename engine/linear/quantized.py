@@ -143,13 +143,14 @@ class GroupTiles(WeightOnlyLinear):
         raise NotImplementedError
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The weights of output rows `ids` (n,), as the codes hold them: (n, in) float32 (an embedding's lookup)."""
+        """The weights of output rows `ids` (n,), as the codes hold them: (n, in) float32 (an embedding's lookup).
+        Sizes as ids.shape[0], not len(ids): traced for a compiled step, a batch's size stays symbolic."""
         tile, row = ids // self.TILE, ids % self.TILE
-        codes = self.row_codes(self.packed, tile, row).float().view(len(ids), -1, GROUP_SIZE)  # (n, group, 32)
+        codes = self.row_codes(self.packed, tile, row).float().view(ids.shape[0], -1, GROUP_SIZE)  # (n, group, 32)
         scale = self.scale[tile, :, row].float()[..., None]  # (n, group, 1)
         if self.minimum.numel() == 0:  # centred: s·(q − centre)
-            return ((codes - self.centre) * scale).view(len(ids), self.in_features)
-        return (codes * scale + self.minimum[tile, :, row].float()[..., None]).view(len(ids), self.in_features)
+            return ((codes - self.centre) * scale).view(ids.shape[0], self.in_features)
+        return (codes * scale + self.minimum[tile, :, row].float()[..., None]).view(ids.shape[0], self.in_features)
 
 
 class Codes4Linear(GroupTiles):
@@ -212,7 +213,7 @@ class Codes8Linear(GroupTiles):
     @staticmethod
     def row_codes(packed: torch.Tensor, tile: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         picked = packed.view(packed.shape[0], -1, 8, Codes8Linear.TILE, 4)[tile, :, :, row]  # (n, group, run, input)
-        return picked.reshape(len(tile), -1)
+        return picked.reshape(tile.shape[0], -1)
 
 
 class SuperBlockLinear(WeightOnlyLinear):
@@ -253,11 +254,11 @@ class SuperBlockLinear(WeightOnlyLinear):
         """The weights of output rows `ids` (n,), as the codes hold them: (n, in) float32 (an embedding's lookup)."""
         tile, row = ids // self.TILE, ids % self.TILE
         packing = Codes5Linear if self.bits == 5 else Codes4Linear
-        codes = packing.row_codes(self.packed, tile, row).float().view(len(ids), -1, GROUP_SIZE)  # (n, group, 32)
+        codes = packing.row_codes(self.packed, tile, row).float().view(ids.shape[0], -1, GROUP_SIZE)  # (n, group, 32)
         per_group = lambda t: t[tile, :, row].float().repeat_interleave(SUPER_BLOCK // GROUP_SIZE, dim=1)  # (n, group)
         scale = per_group(self.scale) * self.group_scale[tile, :, row].float()  # d·sc
         minimum = per_group(self.minimum_scale) * self.group_minimum[tile, :, row].float()  # dmin·mn
-        return (codes * scale[..., None] - minimum[..., None]).view(len(ids), self.in_features)
+        return (codes * scale[..., None] - minimum[..., None]).view(ids.shape[0], self.in_features)
 
 
 class SubBlock6Linear(WeightOnlyLinear):
@@ -302,10 +303,10 @@ class SubBlock6Linear(WeightOnlyLinear):
         high = per_group[..., 256:].reshape(self.packed.shape[0], -1, 2, 16, 4)[tile, :, :, row]  # (n, group, plane, 4)
         high = torch.stack([high & 15, high >> 4], dim=-2)  # (n, group, run, 4): a run byte's 4 high bits
         high = torch.stack([high & 3, high >> 2], dim=-2).reshape(low.shape)  # (n, in): as `nibbles` orders
-        codes = (low | high << 4).float().view(len(ids), -1, SubBlockCodes.SUB_BLOCK) - 32  # (n, sub-block, 16)
+        codes = (low | high << 4).float().view(ids.shape[0], -1, SubBlockCodes.SUB_BLOCK) - 32  # (n, sub-block, 16)
         scale = self.block_scale[tile, :, row].float().repeat_interleave(SUPER_BLOCK // SubBlockCodes.SUB_BLOCK, dim=1)
         scale = scale * self.scale[tile, :, row].float()  # d·sc, (n, sub-block)
-        return (codes * scale[..., None]).view(len(ids), self.in_features)
+        return (codes * scale[..., None]).view(ids.shape[0], self.in_features)
 
 
 class StackedLinear(WeightOnlyLinear):
