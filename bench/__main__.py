@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     quants.add_argument("--turns", type=int, default=8,
                         help="one stream again, a request to each server and a llama-bench tg run in turn, this "
                              "many turns (0: none)")
-    quants.add_argument("--compile", choices=("auto", "on", "aot", "off"), default="on")
+    quants.add_argument("--compile", choices=("auto", "on", "aot", "off"), default="auto")
 
     spec = command("spec", help="speculative decoding vs none: tasks that quote their input, JSON, free chat, mixed "
                                 "streams; tokens/s and whether the output stayed the same")

@@ -49,7 +49,9 @@ class EngineConfig:
     # Quantized layers on the CPU also keep a dense bfloat16 copy, run from the row count where it was measured
     # faster (prefill, large batches): faster for the memory of the copies (four times int4 codes).
     dense_copies: bool = False
-    compile: str = "off"  # "auto"/"on": Engine.compile() builds compiled decode graphs where they can run
+    # Engine.compile(), where it can run: "auto" and "aot" load the CPU's steps compiled ahead of time (built first where
+    # absent), "on" compiles them with torch.compile in this process; on CUDA all three capture CUDA graphs.
+    compile: str = "off"
     prefix_caching: bool = True  # a new request reuses the K/V a free slot kept of a shared prompt prefix
     # Sliding-window layers (Gemma 3) keep T positions, as global ones do, instead of a ring of their window:
     # more memory, and any shared prefix reusable (llama.cpp's --swa-full).
@@ -233,10 +235,10 @@ class Engine:
             return False
         if not self.executor.compiles_code:
             self.executor.capture()
-        elif self.config.compile == "aot" and self.model.embedding_scale is None:
+        elif self.config.compile in ("auto", "aot") and self.model.embedding_scale is None:
             self.executor.load_packages()
         else:
-            if self.config.compile == "aot":  # Gemma's graph break (Transformer.forward) has no place in one program
+            if self.config.compile != "on":  # Gemma's graph break (Transformer.forward) has no place in one program
                 log.info("decode steps compiled by torch.compile, not ahead of time: a scaled embedding breaks "
                          "the step in two")
             self.executor.compile()

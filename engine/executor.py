@@ -42,8 +42,9 @@ from engine.rope import RotaryTable
 
 log = logging.getLogger("kvserve.executor")
 
-# auto, on: torch.compile (the CPU: inductor in this process; CUDA: graphs captured); aot: the CPU's steps compiled
-# ahead of time into packages, loaded without the compiler (engine/aot_steps.py); off: eager.
+# The CPU's steps: auto and aot compiled ahead of time into packages, loaded without the compiler (engine/aot_steps.py;
+# torch.compile where a model's step cannot be one program); on: torch.compile, inductor in this process. CUDA:
+# captured graphs for all three. off: eager.
 COMPILE_MODES = ("auto", "on", "off", "aot")
 
 

@@ -124,10 +124,10 @@ FLAGS = [
                       "float32), other weights dense; int4/int8 also quantize float weights at load"),
     ("dense_copies", str, "on or off: quantized layers also keep a dense bfloat16 copy, used from the number of rows "
                           "where it was measured faster at load (prefill, many streams); costs the copies' memory"),
-    ("compile", str, "auto, on, aot or off: compile the decode step with torch.compile in the background while serving "
-                     "eagerly (auto and on: where it can run, the CPU with a C++ compiler; code cached on disk); aot: "
-                     "the CPU's steps compiled ahead of time into packages on disk, which the server loads without "
-                     "torch's compiler (less memory)"),
+    ("compile", str, "auto, aot, on or off: compile the decode step in the background while serving eagerly, where "
+                     "it can run (the CPU with a C++ compiler; code cached on disk). auto and aot: compiled ahead of "
+                     "time into packages, which the server loads without torch's compiler (less memory); on: "
+                     "torch.compile in the server's process. CUDA: captured graphs"),
     ("request_timeout", float, "seconds from a request's arrival to its last token; past it the request ends with "
                                "504 (an error event when streaming). 0: no limit"),
     ("max_queue_wait", float, "seconds a request may wait for a slot; past it, 503 with Retry-After. 0: no limit"),
