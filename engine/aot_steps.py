@@ -1,11 +1,11 @@
 """Decode steps compiled ahead of time by AOTInductor: one package on disk per bucket, run by torch's C++ loader.
 
-torch.compile keeps its compiler in the serving process: inductor's modules, the traced graphs and their guards
-(about 125 MB beside the default model's 96 MB of weights). A package holds one step's generated library instead,
-and loading it takes torch's C++ package loader alone, so a process that finds its packages built (the server's
-compile child builds them first: server/compile_cache.py) never imports inductor. The weights are not in the
-package: the loaded step is handed the model's own tensors by name (constants the caller manages), so memory
-holds them once.
+torch.compile keeps its compiler in the serving process: dynamo's and inductor's modules, the traced graphs and
+their guards (about 190 MB beside the default model's 96 MB of weights, once compiled). A package holds one step's
+generated library instead, and loading it takes torch's C++ package loader alone, so a process that finds its
+packages built (the server's compile child builds them first: server/compile_cache.py) never imports dynamo or
+inductor. The weights are not in the package: the loaded step is handed the model's own tensors by name (constants
+the caller manages), so memory holds them once.
 
 A package is named by everything that shapes its graph: kvserve's engine source, torch, the CPU and the kernels'
 library, the model's config, each module's class and product forms (plain numbers in the graph), every constant's
@@ -132,9 +132,10 @@ def build(step: StepModule, smallest: int, largest: int | None, path: Path) -> N
     shapes = ({0: batch} if batch else None, {0: batch} if batch else None, {0: batch} if batch else None,
               {0: batch, 3: kv_len} if batch else {3: kv_len}, tuple(None for _ in cache.groups))
     started = time.perf_counter()
-    with torch.no_grad():  # export traces with its own tensors: the live cache is read for its layout only
-        program = torch.export.export(step, (tokens, slot_index, positions, mask, cache.groups), dynamic_shapes=shapes,
-                                      strict=False)
+    # Traced as the Python runs (torch.export's default), with tensors of its own: the live cache is read for its
+    # layout only.
+    with torch.no_grad():
+        program = torch.export.export(step, (tokens, slot_index, positions, mask, cache.groups), dynamic_shapes=shapes)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         partial = Path(scratch) / path.name
