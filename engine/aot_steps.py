@@ -18,6 +18,7 @@ A row's logits are the eager step's bits, as in torch.compile's graphs (the same
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import tempfile
@@ -60,6 +61,27 @@ class StepModule(nn.Module):
                                  for name in self.tables})
         return self.executor.step(tokens, slot_index, positions, mask, groups, rotary=rotary)
 
+    @functools.cached_property
+    def key(self) -> "hashlib._Hash":
+        """The digest of everything but the bucket that shapes a package's graph (the module's doc), read once for
+        all buckets."""
+        key = hashlib.sha256()
+        for source in sorted(ENGINE.rglob("*.py")):
+            key.update(source.relative_to(ENGINE).as_posix().encode() + source.read_bytes())
+        library = loaded().library
+        key.update("\n".join([torch.__version__, cpu_description() or "", library.name if library else "no kernels",
+                              repr(OPTIONS), repr(self.model.config)]).encode())
+        for name, module in self.named_modules():
+            key.update(f"{name} {type(module).__qualname__} {getattr(module, 'forms', None)!r}\n".encode())
+        for name, tensor in self.constants().items():
+            key.update(f"{name} {tuple(tensor.shape)} {tensor.stride()} {tensor.dtype}\n".encode())
+        cache = self.executor.cache
+        for group in cache.groups:
+            key.update(f"{tuple(group.shape)} {group.stride()} {group.dtype}\n".encode())
+        key.update(repr((cache.places, cache.capacities, cache.windows, cache.lookahead,
+                         self.executor.reads_cache)).encode())
+        return key
+
     def constants(self) -> dict[str, torch.Tensor]:
         """Every tensor the step reads besides its inputs, by the name export gives it (tied ones under each name)."""
         return dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers(remove_duplicate=False))
@@ -91,22 +113,9 @@ class LoadedStep:
 
 def package_path(step: StepModule, smallest: int, largest: int | None) -> Path:
     """Where the package for batches of `smallest` to `largest` rows lies: named by everything that shapes its graph
-    (the module's doc)."""
-    key = hashlib.sha256()
-    for source in sorted(ENGINE.rglob("*.py")):
-        key.update(source.relative_to(ENGINE).as_posix().encode() + source.read_bytes())
-    library = loaded().library
-    key.update("\n".join([torch.__version__, cpu_description() or "", library.name if library else "no kernels",
-                          repr(OPTIONS), repr(step.model.config)]).encode())
-    for name, module in step.named_modules():
-        key.update(f"{name} {type(module).__qualname__} {getattr(module, 'forms', None)!r}\n".encode())
-    for name, tensor in step.constants().items():
-        key.update(f"{name} {tuple(tensor.shape)} {tensor.stride()} {tensor.dtype}\n".encode())
-    cache = step.executor.cache
-    for group in cache.groups:
-        key.update(f"{tuple(group.shape)} {group.stride()} {group.dtype}\n".encode())
-    key.update(repr((cache.places, cache.capacities, cache.windows, cache.lookahead, step.executor.reads_cache,
-                     smallest, largest)).encode())
+    (the module's doc): the step's key, then the bucket."""
+    key = step.key.copy()
+    key.update(repr((smallest, largest)).encode())
     return cache_file.compiled_root() / "steps" / f"step-{key.hexdigest()[:24]}-{smallest}-{largest}.pt2"
 
 
@@ -120,7 +129,7 @@ def build(step: StepModule, smallest: int, largest: int | None, path: Path) -> N
     # Example sizes: the smallest batch (as torch.compile's graphs take theirs: DecodeExecutor._scratch_step), and
     # a key count that is no head count or head width (a broadcast against one would be specialized to it).
     config = step.model.config
-    taken = {rows for rows in range(smallest + 1)} | {config.num_heads, config.num_kv_heads, config.head_dim}
+    taken = set(range(smallest + 1)) | {config.num_heads, config.num_kv_heads, config.head_dim}
     rows = smallest
     keys = next(n for n in range(smallest + 1, 4096) if n not in taken)  # keys of the example rows
     tokens = torch.zeros(rows, 1, dtype=torch.long, device=cache.device)
@@ -129,8 +138,8 @@ def build(step: StepModule, smallest: int, largest: int | None, path: Path) -> N
     mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool, device=cache.device)
     batch = torch.export.Dim("rows", min=2, max=largest or step.executor.rows) if dynamic else None
     kv_len = torch.export.Dim("kv_len", min=2, max=cache.max_seq_len + cache.lookahead)
-    shapes = ({0: batch} if batch else None, {0: batch} if batch else None, {0: batch} if batch else None,
-              {0: batch, 3: kv_len} if batch else {3: kv_len}, tuple(None for _ in cache.groups))
+    by_row = {0: batch} if batch else {}  # tokens, slot_index, positions and mask: a row each
+    shapes = (by_row, by_row, by_row, by_row | {3: kv_len}, tuple(None for _ in cache.groups))
     started = time.perf_counter()
     # Traced as the Python runs (torch.export's default), with tensors of its own: the live cache is read for its
     # layout only.
