@@ -7,11 +7,15 @@ packages built (the server's compile child builds them first: server/compile_cac
 inductor. The weights are not in the package: the loaded step is handed the model's own tensors by name (constants
 the caller manages), so memory holds them once.
 
+A package is kept unpacked, as a sealed folder (engine/cache_file.py), and loaded from there: the loader given a
+`.pt2` archive unpacks it into a temporary folder of its own, which a process killed with SIGKILL leaves behind
+(4.5 MB a package, at every such restart); given the folder, it reads the library where it lies.
+
 A package is named by everything that shapes its graph: kvserve's engine source, torch, the CPU and the kernels'
 library, the model's config, each module's class and product forms (plain numbers in the graph), every constant's
 name, shape, dtype and strides, the cache's layout and the bucket's batch sizes. The weights' values are not in
-it: any checkpoint of the same shapes and plan runs the same package. A package that is absent or fails its
-digest (engine/cache_file.py) is built again.
+it: any checkpoint of the same shapes and plan runs the same package. A package that is absent or whose files fail
+their digests is built again.
 
 A row's logits are the eager step's bits, as in torch.compile's graphs (the same inductor options: executor.py).
 """
@@ -23,6 +27,7 @@ import hashlib
 import logging
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -91,12 +96,12 @@ class LoadedStep:
     """A package's step, called as a compiled graph is: (tokens, slot_index, positions, mask, groups) -> logits."""
 
     def __init__(self, path: Path, constants: dict[str, torch.Tensor]):
-        with cache_file.loadable(path) as readable:  # the checked file itself; the loader unpacks it at once
-            # torch._inductor.aoti_load_package wraps this class, but importing it imports inductor.
-            try:
-                self.loader = torch._C._aoti.AOTIModelPackageLoader(readable, "model", False, 1, -1)
-            except RuntimeError as e:  # whole, yet not loadable here
-                raise cache_file.CacheMiss(path, f"it does not load ({str(e).splitlines()[0]})", found=True) from None
+        cache_file.check_sealed(path)
+        # torch._inductor.aoti_load_package wraps this class, but importing it imports inductor.
+        try:
+            self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        except RuntimeError as e:  # whole, yet not loadable here
+            raise cache_file.CacheMiss(path, f"it does not load ({str(e).splitlines()[0]})", found=True) from None
         names = self.loader.get_constant_fqns()
         missing = [name for name in names if name not in constants]
         if missing:
@@ -112,16 +117,16 @@ class LoadedStep:
 
 
 def package_path(step: StepModule, smallest: int, largest: int | None) -> Path:
-    """Where the package for batches of `smallest` to `largest` rows lies: named by everything that shapes its graph
-    (the module's doc): the step's key, then the bucket."""
+    """The folder of the package for batches of `smallest` to `largest` rows: named by everything that shapes its
+    graph (the module's doc): the step's key, then the bucket."""
     key = step.key.copy()
     key.update(repr((smallest, largest)).encode())
-    return cache_file.compiled_root() / "steps" / f"step-{key.hexdigest()[:24]}-{smallest}-{largest}.pt2"
+    return cache_file.compiled_root() / "steps" / f"step-{key.hexdigest()[:24]}-{smallest}-{largest}"
 
 
 def build(step: StepModule, smallest: int, largest: int | None, path: Path) -> None:
-    """Export the step for batches of `smallest` to `largest` rows (None: no largest) and package it at `path`
-    (minutes on a large model: inductor generates and compiles its C++)."""
+    """Export the step for batches of `smallest` to `largest` rows (None: no largest) and package it as the sealed
+    folder `path` (minutes on a large model: inductor generates and compiles its C++)."""
     from torch._inductor import aoti_compile_and_package  # the compiler, in the process that builds only
 
     cache = step.executor.cache
@@ -146,11 +151,21 @@ def build(step: StepModule, smallest: int, largest: int | None, path: Path) -> N
     with torch.no_grad():
         program = torch.export.export(step, (tokens, slot_index, positions, mask, cache.groups), dynamic_shapes=shapes)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        partial = Path(scratch) / path.name
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as scratch:
+        archive = Path(scratch) / f"{path.name}.pt2"
         # a copy: it adds keys of its own to the dict it is given
-        aoti_compile_and_package(program, package_path=str(partial), inductor_configs=dict(OPTIONS))
-        cache_file.publish(partial, path)
+        aoti_compile_and_package(program, package_path=str(archive), inductor_configs=dict(OPTIONS))
+        unpacked = Path(scratch) / "unpacked"
+        with zipfile.ZipFile(archive) as files:
+            files.extractall(unpacked)
+        (folder,) = unpacked.iterdir()  # the archive's one top folder: data/aotinductor/model/...
+        cache_file.seal(folder)
+        try:
+            folder.rename(path)  # whole, or not at all
+        except OSError:
+            if not path.is_dir():
+                raise
+            # another process put the same package in place first; it is checked when loaded
     batches = f"batches of {smallest} to {largest or step.executor.rows}" if dynamic else f"batch {smallest}"
     log.info("built the decode step package for %s in %.1f s: %s", batches, time.perf_counter() - started, path.name)
 
@@ -163,5 +178,6 @@ def load_or_build(step: StepModule, smallest: int, largest: int | None) -> Loade
     except cache_file.CacheMiss as miss:
         if miss.found:
             log.warning("the decode step package %s cannot be used (%s): building it again", path.name, miss.reason)
+            cache_file.set_aside(path)
     build(step, smallest, largest, path)
     return LoadedStep(path, step.constants())

@@ -1,10 +1,11 @@
 """Decode steps compiled ahead of time (engine/aot_steps.py): the eager step's bits in both packages, a process that
-finds its packages serves without importing torch's compiler, and a damaged package is built again."""
+finds its packages serves without importing torch's compiler or copying them, and a damaged package is built again."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -78,7 +79,8 @@ def test_a_row_gets_the_same_bits_alone_and_among_its_drafts(aot_engine):
         executor.graphs = packages
 
 
-def test_a_process_that_finds_its_packages_never_imports_the_compiler(aot_engine, q4_model, compiled_home):
+def test_a_process_that_finds_its_packages_never_imports_the_compiler(aot_engine, q4_model, compiled_home, tmp_path):
+    """... nor copies them into its temporary folder (a copy a SIGKILL would leave there)."""
     script = ("import sys, torch\n"
               "from engine import EngineConfig, SamplingParams\n"
               "from weights.loading import load_engine\n"
@@ -89,16 +91,20 @@ def test_a_process_that_finds_its_packages_never_imports_the_compiler(aot_engine
               "print('graphs', engine.compiled_graphs, 'compiler', any(m in sys.modules for m in "
               "('torch._dynamo', 'torch._inductor')))\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(compiled_home)))
+                            env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(compiled_home), TMPDIR=str(tmp_path)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "graphs ('1', '2+') compiler False" in result.stdout
     assert "built the decode step package" not in result.stderr  # both found, none built
+    assert not list(tmp_path.glob("aotinductor_*"))
 
 
-def test_a_damaged_package_is_built_again(aot_engine, q4_model, compiled_home, monkeypatch, caplog):
-    (package, *_) = sorted((compiled_home / "kvserve" / "steps").glob("*-1-1.pt2"))
-    package.write_bytes(package.read_bytes()[:1000])  # cut short, as by a full disk
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(compiled_home))
+def test_a_damaged_package_is_built_again(aot_engine, q4_model, compiled_home, tmp_path, monkeypatch, caplog):
+    """Damaged between two starts: a copy of the cache, as the running engine maps the files it loaded."""
+    shutil.copytree(compiled_home / "kvserve", tmp_path / "kvserve")
+    (package, *_) = sorted((tmp_path / "kvserve" / "steps").glob("step-*-1-1"))
+    (library, *_) = package.rglob("*.so")
+    library.write_bytes(library.read_bytes()[:1000])  # cut short, as by a full disk
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     again = engine(q4_model, "aot")
     with caplog.at_level(logging.INFO, logger="kvserve.aot_steps"):
         assert again.compile()
