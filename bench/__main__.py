@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "streams; tokens/s and whether the output stayed the same")
     spec.add_argument("--model", default=None, help="checkpoint (default: the default model)")
     spec.add_argument("--dtype", default="auto")
-    spec.add_argument("--compile", default="on", choices=["auto", "on", "aot", "off"])
+    spec.add_argument("--compile", default="auto", choices=["auto", "on", "aot", "off"],
+                      help="as the server's --compile (default: its default)")
     spec.add_argument("--speculative", default="auto", choices=["ngram", "suffix", "auto"])
     spec.add_argument("--num-speculative-tokens", type=int, default=4)
     spec.add_argument("--streams", type=int, default=16, help="requests of the mixed load, decoded side by side")

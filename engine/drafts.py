@@ -4,10 +4,13 @@ A draft is only a guess: the engine runs it through the model beside the row's l
 longest prefix that the plain sampler would have produced anyway (engine.Engine._verify), so no method here
 can change what a request gets, only how many of its tokens one step emits.
 
-- `NgramIndex` (prompt lookup): where the last n tokens (n = 4 down to 1) occurred before in the request's own
-  prompt and output, the tokens that followed them then.
+- `NgramIndex` (prompt lookup): where the last n tokens occurred before in the request's own prompt and output, the
+  tokens that followed them then. The newest 4 tokens' earlier occurrences are told apart by how far back each
+  agrees with the newest tokens (up to MAX_MATCH), so that text that repeats with variations (a loop of two phrases
+  that end alike, code edited in one place) follows the occurrence that matches most; else 3, 2, 1 tokens.
 - `SuffixCorpus`: the same lookup over the outputs of recently finished requests, bounded in tokens, so that an
-  agent's repeated tool calls and boilerplate are drafted from earlier replies.
+  agent's repeated tool calls and boilerplate are drafted from earlier replies (the earlier reply that agrees with
+  the newest tokens furthest back, where several share them).
 - Grammar-forced tokens come from the request's grammar (llguidance's forced tokens) in the engine itself.
 - `DraftBudget`: how many drafts a request proposes, from its recent acceptance: free text, where guesses keep
   failing, falls back to plain decoding steps. `MatchBudgets` keeps one per method and length of the match the
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 SPECULATIVE_MODES = ("off", "ngram", "suffix", "auto")
 NGRAM_SIZES = (4, 3, 2, 1)  # longest match first: a longer context predicts its continuation better
 MAX_PAUSE = 32  # steps a request drafts nothing after its drafts failed repeatedly, at most
+MAX_MATCH = 32  # tokens a match of the newest tokens is followed back, at most
+MATCH_CANDIDATES = 16  # the latest earlier occurrences of the newest 4 tokens compared, at most
 
 
 def ngrams_ending(tokens: list[int], end: int) -> list[tuple[int, ...]]:
@@ -29,27 +34,47 @@ def ngrams_ending(tokens: list[int], end: int) -> list[tuple[int, ...]]:
     return [tuple(tokens[end - n + 1: end + 1]) for n in NGRAM_SIZES if end - n + 1 >= 0]
 
 
+def agreement(tokens: list[int], end: int, context: list[int]) -> int:
+    """How many tokens of `tokens` ending at index `end` equal the last ones of `context`, in order, up to MAX_MATCH."""
+    n = 0
+    while n < MAX_MATCH and n <= end and n < len(context) and tokens[end - n] == context[-1 - n]:
+        n += 1
+    return n
+
+
 @dataclass
 class NgramIndex:
-    """For every n-gram (n in NGRAM_SIZES) of a token list, where it last ended, kept as the list grows.
+    """For every n-gram (n in NGRAM_SIZES) of a token list, where it ended, kept as the list grows: every end of the
+    longest size, the latest of the shorter ones.
 
     `propose` looks up the n-gram that ends at the newest token among those that ended earlier: each position
     is indexed once the next token exists, so the newest n-gram never matches itself, and a match's
-    continuation always has at least one token.
+    continuation always has at least one token. Of the longest n-gram's earlier occurrences (the latest
+    MATCH_CANDIDATES), the one whose tokens agree with the newest ones furthest back wins, the latest among equals.
     """
 
     tokens: list[int] = field(default_factory=list)
-    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index of its last token, latest
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # shorter n-gram -> index of its last token, latest
+    occurrences: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # longest n-gram -> its ends, in order
 
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
             end = len(self.tokens) - 1  # the previous newest token now has a successor
-            self.ends.update((key, end) for key in ngrams_ending(self.tokens, end))
+            for key in ngrams_ending(self.tokens, end):
+                if len(key) == NGRAM_SIZES[0]:
+                    self.occurrences.setdefault(key, []).append(end)
+                else:
+                    self.ends[key] = end
             self.tokens.append(token)
 
     def match(self) -> tuple[int, int] | None:
-        """(n, end of the earlier occurrence) of the longest n-gram ending at the newest token seen before."""
-        for n in NGRAM_SIZES:
+        """(n, end of the earlier occurrence): the newest tokens' longest match seen before (n of them agree)."""
+        longest = NGRAM_SIZES[0]
+        if len(self.tokens) > longest:
+            ends = self.occurrences.get(tuple(self.tokens[-longest:]))
+            if ends:
+                return max((agreement(self.tokens, end, self.tokens), end) for end in ends[-MATCH_CANDIDATES:])
+        for n in NGRAM_SIZES[1:]:
             if len(self.tokens) > n:
                 end = self.ends.get(tuple(self.tokens[-n:]))
                 if end is not None:
@@ -57,7 +82,7 @@ class NgramIndex:
         return None
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the newest n-gram's latest earlier occurrence ([] if it has none)."""
+        """Up to k tokens that followed the newest tokens' best earlier match ([] if they have none)."""
         found = self.match()
         if found is None or k <= 0:
             return []
@@ -74,7 +99,8 @@ class SuffixCorpus:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.max_tokens = max_tokens
         self._lists: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, oldest first
-        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (list id, index of its last token)
+        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # shorter n-gram -> (list id, its last token), latest
+        self._occurrences: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # longest n-gram -> all, oldest first
         self._ids = 0
         self.tokens = 0  # held in all
 
@@ -88,19 +114,38 @@ class SuffixCorpus:
         self._lists[self._ids] = tokens
         self.tokens += len(tokens)
         for end in range(len(tokens) - 1):  # the last token has no successor to propose
-            self._ends.update((key, (self._ids, end)) for key in ngrams_ending(tokens, end))
+            for key in ngrams_ending(tokens, end):
+                if len(key) == NGRAM_SIZES[0]:
+                    self._occurrences.setdefault(key, []).append((self._ids, end))
+                else:
+                    self._ends[key] = (self._ids, end)
 
     def _drop_oldest(self) -> None:
         list_id, tokens = self._lists.popitem(last=False)
         self.tokens -= len(tokens)
+        longest = set()
         for end in range(len(tokens) - 1):
             for key in ngrams_ending(tokens, end):
-                if self._ends.get(key, (None,))[0] == list_id:
+                if len(key) == NGRAM_SIZES[0]:
+                    longest.add(key)
+                elif self._ends.get(key, (None,))[0] == list_id:
                     del self._ends[key]  # a later list's occurrence of the same n-gram stays
+        for key in longest:
+            kept = [found for found in self._occurrences[key] if found[0] != list_id]
+            if kept:
+                self._occurrences[key] = kept
+            else:
+                del self._occurrences[key]
 
     def propose(self, context: list[int], k: int) -> tuple[int, list[int]]:
-        """(n, up to k tokens) that followed the longest n-gram ending `context` in a held list; (0, []) if none."""
-        for n in NGRAM_SIZES:
+        """(n, up to k tokens) that followed the best match of `context`'s last tokens in a held list, chosen as
+        NgramIndex.match chooses; (0, []) if none."""
+        longest = NGRAM_SIZES[0]
+        found = self._occurrences.get(tuple(context[-longest:])) if len(context) >= longest else None
+        if found:
+            n, (list_id, end) = max((agreement(self._lists[i], e, context), (i, e)) for i, e in found[-MATCH_CANDIDATES:])
+            return n, self._lists[list_id][end + 1: end + 1 + k]
+        for n in NGRAM_SIZES[1:]:
             if len(context) >= n:
                 found = self._ends.get(tuple(context[-n:]))
                 if found is not None:
@@ -191,9 +236,14 @@ class DraftBudget:
             self.every = 1
 
 
+def match_class(n: int) -> int:
+    """The matches of n tokens that share a budget: 1, 2 and 3 each their own, then 4-7, 8-15, 16-31 and 32."""
+    return n if n <= 4 else 1 << (n.bit_length() - 1)
+
+
 @dataclass
 class MatchBudgets:
-    """A request's DraftBudget for each method and length of the n-gram match its drafts follow.
+    """A request's DraftBudget for each method and length of the match its drafts follow (match_class).
 
     How often drafts are right depends on how much context matched far more than on the request: in the default
     model's output of the bench's tasks, drafts after a match of 4 tokens were kept 94% of the time in a code edit
@@ -204,11 +254,11 @@ class MatchBudgets:
 
     limit: int
     budgets: dict[tuple[str, int], DraftBudget] = field(default_factory=dict)
-    last: tuple[str, int] | None = None  # the (method, n) whose drafts are being verified
+    last: tuple[str, int] | None = None  # the (method, class of n) whose drafts are being verified
 
     def allowed(self, method: str, n: int, threshold: float) -> int:
         """Drafts this step may propose after a match of n tokens by `method` (0: none)."""
-        self.last = (method, n)
+        self.last = (method, match_class(n))
         return self.budgets.setdefault(self.last, DraftBudget(self.limit)).allowed(threshold)
 
     def update(self, proposed: int, accepted: int) -> None:

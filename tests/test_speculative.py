@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.drafts import MAX_PAUSE, DraftBudget, MatchBudgets, NgramIndex, StepCosts, SuffixCorpus
+from engine.drafts import (MAX_MATCH, MAX_PAUSE, DraftBudget, MatchBudgets, NgramIndex, StepCosts, SuffixCorpus,
+                           match_class)
 from engine.grammar import bitmasks_along, json_schema_grammar, regex_grammar
 from tests.server_harness import serve
 from weights.loading import load_engine
@@ -80,6 +81,21 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match():
     assert fresh.propose(4) == [8, 7]  # "7" occurred at 0: what followed it, up to the newest token
 
 
+def test_ngram_index_follows_the_occurrence_that_agrees_furthest_back():
+    """A loop of two phrases that end alike ("so the n-gram itself is the n-gram itself, so ..."): the newest 4
+    tokens occurred twice, and the longer context tells which continuation is the loop's."""
+    index = NgramIndex()
+    index.extend([5, 1, 2, 3, 4, 7, 6, 1, 2, 3, 4, 8, 5, 1, 2, 3, 4])
+    assert index.match() == (5, 4)  # "5 1 2 3 4" ended at 4; the latest "1 2 3 4" (at 10) agrees for 4 tokens only
+    assert index.propose(3) == [7, 6, 1]
+    index.extend([7, 6, 1, 2, 3, 4])  # the occurrence ending at 10 now agrees back to the first token: 11
+    assert index.match() == (11, 10) and index.propose(1) == [8]
+    repeated = NgramIndex()
+    repeated.extend([9] * (MAX_MATCH + 10))
+    assert repeated.match() == (MAX_MATCH, MAX_MATCH + 8)  # as long as MAX_MATCH at most; the latest of equals
+    assert [match_class(n) for n in (1, 3, 4, 7, 8, 31, 32)] == [1, 3, 4, 4, 8, 16, 32]
+
+
 def test_suffix_corpus_drafts_from_finished_lists_within_its_bound():
     corpus = SuffixCorpus(max_tokens=10)
     corpus.add([1, 2, 3, 4, 5, 6])
@@ -92,6 +108,12 @@ def test_suffix_corpus_drafts_from_finished_lists_within_its_bound():
     corpus.add(list(range(100, 130)))  # longer than the bound: only its last 10 tokens are kept
     assert corpus.tokens == 10 and corpus.propose([125], 2) == (1, [126, 127])
     assert corpus.propose([21, 22], 1) == (0, [])
+    calls = SuffixCorpus(max_tokens=100)  # two earlier replies share "1 2 3 4"; what came before tells them apart
+    calls.add([7, 1, 2, 3, 4, 50, 51])
+    calls.add([8, 1, 2, 3, 4, 60, 61])
+    assert calls.propose([7, 1, 2, 3, 4], 2) == (5, [50, 51]) and calls.propose([9, 1, 2, 3, 4], 2) == (4, [60, 61])
+    calls.add(list(range(200, 288)))  # 102 tokens: the first reply goes, its occurrence of "1 2 3 4" with it
+    assert calls.propose([7, 1, 2, 3, 4], 2) == (4, [60, 61])
 
 
 def test_step_costs_fit_the_line_and_price_a_draft_row():
