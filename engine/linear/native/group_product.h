@@ -211,12 +211,21 @@ void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (row + r) * groups + g;
       const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains: half the latency
-      for (int k = 0; k < 8; k += 2) {  // vpdpbusd: unsigned codes · signed inputs, 4 at a time, into int32
-        even = _mm512_dpbusd_epi32(even, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
-        odd = _mm512_dpbusd_epi32(odd, w[k + 1], _mm512_set1_epi32(four_codes(codes + 4 * k + 4)));
+      // Σ (q − c)·x̂ in int32, exact in any order: the sum starts at −c·Σ x̂, and vpdpbusd (unsigned codes · signed
+      // inputs, 4 at a time) adds to it; for one row in two chains (summed) that halve its latency, for more in one
+      // chain a row, the rows' chains side by side.
+      __m512i centred = _mm512_set1_epi32(-x.centred_sum[rg]);
+      if constexpr (R == 1) {
+        __m512i odd = _mm512_setzero_si512();
+        for (int k = 0; k < 8; k += 2) {
+          centred = _mm512_dpbusd_epi32(centred, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
+          odd = _mm512_dpbusd_epi32(odd, w[k + 1], _mm512_set1_epi32(four_codes(codes + 4 * k + 4)));
+        }
+        centred = _mm512_add_epi32(centred, odd);
+      } else {
+        for (int k = 0; k < 8; ++k)
+          centred = _mm512_dpbusd_epi32(centred, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
       }
-      const __m512i centred = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(x.centred_sum[rg]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[rg])), acc[r]);
       if constexpr (!Scales::kCentred) acc[r] = _mm512_fmadd_ps(rest, _mm512_set1_ps(x.sum[rg]), acc[r]);
     }
