@@ -20,6 +20,7 @@ can change what a request gets, only how many of its tokens one step emits.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SPECULATIVE_MODES = ("off", "ngram", "suffix", "auto")
@@ -27,6 +28,8 @@ NGRAM_SIZES = (4, 3, 2, 1)  # longest match first: a longer context predicts its
 MAX_PAUSE = 32  # steps a request drafts nothing after its drafts failed repeatedly, at most
 MAX_MATCH = 32  # tokens a match of the newest tokens is followed back, at most
 MATCH_CANDIDATES = 16  # the latest earlier occurrences of the newest 4 tokens compared, at most
+
+Place = int | tuple[int, int]  # where an n-gram ended: an index in one list, or (list id, index)
 
 
 def ngrams_ending(tokens: list[int], end: int) -> list[tuple[int, ...]]:
@@ -40,6 +43,32 @@ def agreement(tokens: list[int], end: int, context: list[int]) -> int:
     while n < MAX_MATCH and n <= end and n < len(context) and tokens[end - n] == context[-1 - n]:
         n += 1
     return n
+
+
+def record(tokens: list[int], end: int, place: Place, occurrences: dict, ends: dict) -> None:
+    """The n-grams ending at tokens[end] as ending at `place`: every place of the longest size (occurrences), the
+    latest of the shorter ones (ends)."""
+    for key in ngrams_ending(tokens, end):
+        if len(key) == NGRAM_SIZES[0]:
+            occurrences.setdefault(key, []).append(place)
+        else:
+            ends[key] = place
+
+
+def best_match(context: list[int], occurrences: dict, ends: dict,
+               tokens_at: Callable[[Place], tuple[list[int], int]]) -> tuple[int, Place] | None:
+    """(n, place) of the match of `context`'s newest tokens recorded (`record`): of the latest MATCH_CANDIDATES
+    places of its longest n-gram, the one whose tokens (tokens_at(place): a list and the index there) agree with
+    the context furthest back, the latest among equals; else its longest shorter n-gram's latest place."""
+    longest = NGRAM_SIZES[0]
+    places = occurrences.get(tuple(context[-longest:])) if len(context) >= longest else None
+    if places:
+        return max((agreement(*tokens_at(place), context), place) for place in places[-MATCH_CANDIDATES:])
+    for n in NGRAM_SIZES[1:]:
+        place = ends.get(tuple(context[-n:])) if len(context) >= n else None
+        if place is not None:
+            return n, place
+    return None
 
 
 @dataclass
@@ -60,26 +89,12 @@ class NgramIndex:
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
             end = len(self.tokens) - 1  # the previous newest token now has a successor
-            for key in ngrams_ending(self.tokens, end):
-                if len(key) == NGRAM_SIZES[0]:
-                    self.occurrences.setdefault(key, []).append(end)
-                else:
-                    self.ends[key] = end
+            record(self.tokens, end, end, self.occurrences, self.ends)
             self.tokens.append(token)
 
     def match(self) -> tuple[int, int] | None:
-        """(n, end of the earlier occurrence): the newest tokens' longest match seen before (n of them agree)."""
-        longest = NGRAM_SIZES[0]
-        if len(self.tokens) > longest:
-            ends = self.occurrences.get(tuple(self.tokens[-longest:]))
-            if ends:
-                return max((agreement(self.tokens, end, self.tokens), end) for end in ends[-MATCH_CANDIDATES:])
-        for n in NGRAM_SIZES[1:]:
-            if len(self.tokens) > n:
-                end = self.ends.get(tuple(self.tokens[-n:]))
-                if end is not None:
-                    return n, end
-        return None
+        """(n, end of the earlier occurrence): the newest tokens' best match seen before (n of them agree)."""
+        return best_match(self.tokens, self.occurrences, self.ends, lambda end: (self.tokens, end))
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the newest tokens' best earlier match ([] if they have none)."""
@@ -114,11 +129,7 @@ class SuffixCorpus:
         self._lists[self._ids] = tokens
         self.tokens += len(tokens)
         for end in range(len(tokens) - 1):  # the last token has no successor to propose
-            for key in ngrams_ending(tokens, end):
-                if len(key) == NGRAM_SIZES[0]:
-                    self._occurrences.setdefault(key, []).append((self._ids, end))
-                else:
-                    self._ends[key] = (self._ids, end)
+            record(tokens, end, (self._ids, end), self._occurrences, self._ends)
 
     def _drop_oldest(self) -> None:
         list_id, tokens = self._lists.popitem(last=False)
@@ -140,18 +151,11 @@ class SuffixCorpus:
     def propose(self, context: list[int], k: int) -> tuple[int, list[int]]:
         """(n, up to k tokens) that followed the best match of `context`'s last tokens in a held list, chosen as
         NgramIndex.match chooses; (0, []) if none."""
-        longest = NGRAM_SIZES[0]
-        found = self._occurrences.get(tuple(context[-longest:])) if len(context) >= longest else None
-        if found:
-            n, (list_id, end) = max((agreement(self._lists[i], e, context), (i, e)) for i, e in found[-MATCH_CANDIDATES:])
-            return n, self._lists[list_id][end + 1: end + 1 + k]
-        for n in NGRAM_SIZES[1:]:
-            if len(context) >= n:
-                found = self._ends.get(tuple(context[-n:]))
-                if found is not None:
-                    list_id, end = found
-                    return n, self._lists[list_id][end + 1: end + 1 + k]
-        return 0, []
+        found = best_match(context, self._occurrences, self._ends, lambda place: (self._lists[place[0]], place[1]))
+        if found is None:
+            return 0, []
+        n, (list_id, end) = found
+        return n, self._lists[list_id][end + 1: end + 1 + k]
 
 
 @dataclass

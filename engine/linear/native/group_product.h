@@ -195,6 +195,23 @@ inline void load(const CentredScales& scales, int64_t g, int, __m512& s, __m512&
   m = _mm512_setzero_ps();  // unused: a centred group has no rest
 }
 
+// start + Σ_k w[k]·(inputs 4k..4k+3) over a group for 16 output rows, in int32 (exact, so in any order): vpdpbusd,
+// unsigned codes · signed inputs, 4 at a time. For one row in two chains (summed) that halve its latency; in a pass of
+// R > 1 rows, one chain a row, the rows' chains side by side (an addition fewer per row).
+template <int R>
+inline __m512i group_dots(__m512i start, const Operand (&w)[8], const int8_t* codes) {
+  if constexpr (R == 1) {
+    __m512i odd = _mm512_setzero_si512();
+    for (int k = 0; k < 8; k += 2) {
+      start = _mm512_dpbusd_epi32(start, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
+      odd = _mm512_dpbusd_epi32(odd, w[k + 1], _mm512_set1_epi32(four_codes(codes + 4 * k + 4)));
+    }
+    return _mm512_add_epi32(start, odd);
+  }
+  for (int k = 0; k < 8; ++k) start = _mm512_dpbusd_epi32(start, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
+  return start;
+}
+
 template <typename Codes, int R, typename Scales>
 void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const QuantizedRows& x, int64_t row,
               int64_t in, float* y, int64_t out) {
@@ -211,21 +228,8 @@ void run_tile(const uint8_t* packed, const Scales& scales, int64_t groups, const
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (row + r) * groups + g;
       const int8_t* codes = x.codes.data() + (row + r) * in + g * kGroup;
-      // Σ (q − c)·x̂ in int32, exact in any order: the sum starts at −c·Σ x̂, and vpdpbusd (unsigned codes · signed
-      // inputs, 4 at a time) adds to it; for one row in two chains (summed) that halve its latency, for more in one
-      // chain a row, the rows' chains side by side.
-      __m512i centred = _mm512_set1_epi32(-x.centred_sum[rg]);
-      if constexpr (R == 1) {
-        __m512i odd = _mm512_setzero_si512();
-        for (int k = 0; k < 8; k += 2) {
-          centred = _mm512_dpbusd_epi32(centred, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
-          odd = _mm512_dpbusd_epi32(odd, w[k + 1], _mm512_set1_epi32(four_codes(codes + 4 * k + 4)));
-        }
-        centred = _mm512_add_epi32(centred, odd);
-      } else {
-        for (int k = 0; k < 8; ++k)
-          centred = _mm512_dpbusd_epi32(centred, w[k], _mm512_set1_epi32(four_codes(codes + 4 * k)));
-      }
+      // Σ (q − c)·x̂: the dot products added to −c·Σ x̂
+      const __m512i centred = group_dots<R>(_mm512_set1_epi32(-x.centred_sum[rg]), w, codes);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[rg])), acc[r]);
       if constexpr (!Scales::kCentred) acc[r] = _mm512_fmadd_ps(rest, _mm512_set1_ps(x.sum[rg]), acc[r]);
     }

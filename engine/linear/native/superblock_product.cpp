@@ -40,19 +40,7 @@ struct SuperBlockFormat {
     const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scg)));
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = x.codes.data() + (row + r) * in + g * kGroup;
-      // Σ q·x̂ in int32, exact in any order: for one row in two chains (summed) that halve its latency, for more in
-      // one chain a row, the rows' chains side by side.
-      __m512i dot = _mm512_setzero_si512();
-      if constexpr (R == 1) {
-        __m512i odd = _mm512_setzero_si512();
-        for (int k = 0; k < 8; k += 2) {
-          dot = _mm512_dpbusd_epi32(dot, w[k], _mm512_set1_epi32(four_codes(xq + 4 * k)));
-          odd = _mm512_dpbusd_epi32(odd, w[k + 1], _mm512_set1_epi32(four_codes(xq + 4 * k + 4)));
-        }
-        dot = _mm512_add_epi32(dot, odd);
-      } else {
-        for (int k = 0; k < 8; ++k) dot = _mm512_dpbusd_epi32(dot, w[k], _mm512_set1_epi32(four_codes(xq + 4 * k)));
-      }
+      const __m512i dot = group_dots<R>(_mm512_setzero_si512(), w, xq);  // Σ q·x̂
       sums[r][0] = _mm512_add_epi32(sums[r][0], _mm512_mullo_epi32(dot, s));
     }
 #else
