@@ -94,9 +94,9 @@ def masked(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
 
 def first_max(scores: torch.Tensor) -> torch.Tensor:
     """scores (b, V) -> each row's first index of its maximum (argmax's), by kvserve's kernel where it runs (torch's
-    argmax over a vocabulary is a scalar loop: 0.35 ms for 11 rows, against 0.2)."""
+    argmax over a vocabulary is a scalar loop: 0.35 ms for 11 rows)."""
     if by_kernel(scores):
-        return torch.ops.kvserve.log_norm(scores.contiguous())[0]
+        return torch.ops.kvserve.first_max(scores.contiguous())
     return scores.argmax(dim=-1)
 
 

@@ -152,6 +152,11 @@ for dtype in (torch.float32, torch.bfloat16):  # head widths of 16 (8-float vect
         worst = max((got[r:r + 1] - grouped_attention(q[r:r + 1].float(), keys[slots[r], None, :, :positions[r, 0] + 1].float(),
                      values[slots[r], None, :, :positions[r, 0] + 1].float(), None)).abs().max().item() for r in range(3))
         print("attention-%s-%d" % (str(dtype)[6:], d), worst)
+logits = torch.randn(3, 49157) * 5  # a vocabulary past whole vectors; -inf is a logit like any other
+logits[1, 7] = float("-inf")
+best, norm = torch.ops.kvserve.log_norm(logits)
+print("log_norm", (norm.double() - logits.double().logsumexp(dim=-1)).abs().max().item())
+print("best", int(torch.equal(best, logits.argmax(dim=-1)) and torch.equal(torch.ops.kvserve.first_max(logits), best)))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -160,6 +165,7 @@ for dtype in (torch.float32, torch.bfloat16):  # head widths of 16 (8-float vect
     assert all(float(errors[name]) < 0.01 for name in ("Q4_K", "Q5_K", "Q6_K"))
     assert float(errors["attention-float32-16"]) < 1e-5 and float(errors["attention-float32-64"]) < 1e-5
     assert float(errors["attention-bfloat16-16"]) < 1e-2 and float(errors["attention-bfloat16-64"]) < 1e-2
+    assert float(errors["log_norm"]) < 1e-5 and errors["best"] == "1"
 
 
 def test_without_a_compiler_our_kernels_say_why(monkeypatch):

@@ -224,13 +224,14 @@ def test_the_kernels_draw_is_torchs_but_at_a_rounding():
 
 
 @pytest.mark.skipif(load_kernels() is not None, reason=f"kvserve's kernels are off here: {load_kernels()}")
-@pytest.mark.parametrize("vocab", [1, 13, 64, 49152])  # 13: a tail past the last 8
+@pytest.mark.parametrize("vocab", [1, 13, 64, 200, 49152])  # 13: a tail past the last 8; 200: past whole runs of vectors
 def test_the_kernels_greedy_token_and_log_norm_are_torchs(vocab):
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 5
     if vocab > 8:
         logits[0, vocab // 2] = logits[0, vocab - 3] = logits[0].max() + 1  # a tie: the first index, as argmax
+        logits[1, 3] = logits[1, vocab - 1] = float("-inf")  # a token the model rules out: any other logit
     best, log_norm = torch.ops.kvserve.log_norm(logits)
-    assert torch.equal(best, logits.argmax(dim=-1))
+    assert torch.equal(best, logits.argmax(dim=-1)) and torch.equal(torch.ops.kvserve.first_max(logits), best)
     exact = logits.double().logsumexp(dim=-1)
     assert ((log_norm.double() - exact).abs() <= 1e-6 * exact.abs().clamp(min=1)).all()
     for row in range(len(logits)):  # a row's bits are its own, whatever rows come with it

@@ -3,11 +3,15 @@
 //   best[r]     = the first index of the row's maximum (as torch's argmax)
 //   log_norm[r] = max + log Σ exp(x - max), the exponentials in float32, their sum in float64
 // A row with a NaN or +inf logit, or with no finite one, gets a non-finite log_norm (the caller raises).
+// And first_max: a row's best index alone, for scores a grammar or penalty changed (no exponentials).
 //
 // Why a kernel: torch's max(dim) and argmax run over a vocabulary as a scalar loop (several times its amax; figures
 // in bench/README), and its sum of exponentials splits one row across threads but not many: a few percent of a
 // small model's decode step, and a row's last bits that depended on how many rows came with it. Here a row's result
 // depends on that row alone, whatever the batch.
+//
+// In the widest vectors the CPU has (lanes.h), the maxima and sums in several chains, so that a row is bound by
+// the exponentials' arithmetic rather than one chain's latency.
 //
 // logits (b, V) float32, contiguous. Returns (best (b,) int64, log_norm (b,) float32).
 #include <ATen/ATen.h>
@@ -15,8 +19,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "eight.h"
+#include "lanes.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -25,40 +30,70 @@
 namespace kvserve {
 namespace {
 
-// (first index of the maximum, log-sum-exp) of one row, in one fixed order of operations.
-std::tuple<int64_t, float> row_log_norm(const float* x, int64_t n) {
-  const float lowest = -std::numeric_limits<float>::infinity();
-  __m256 top = _mm256_set1_ps(lowest), unordered = _mm256_setzero_ps();
+constexpr int kChains = 4;  // independent maxima and sums in flight: one chain waits on each add's latency
+
+// The row's maximum (its NaNs passed over), its vectors in kChains chains; with `finite`, also whether every value
+// is finite (v - v is 0 for those, NaN for NaN and the infinities), at one more operation a vector.
+template <class L>
+float row_max(const float* x, int64_t n, bool* finite = nullptr) {
+  constexpr int64_t W = L::width;
+  typename L::V top[kChains], odd[kChains];
+  for (int c = 0; c < kChains; ++c) top[c] = L::set(-std::numeric_limits<float>::infinity()), odd[c] = L::zero();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    top = _mm256_max_ps(top, v);
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN lanes
+  if (finite != nullptr) {
+    for (; i + kChains * W <= n; i += kChains * W)
+      for (int c = 0; c < kChains; ++c) {
+        const auto v = L::load(x + i + c * W);
+        top[c] = L::max(top[c], v), odd[c] = L::add(odd[c], L::fnmadd(v, L::set(1.f), v));
+      }
+  } else {
+    for (; i + kChains * W <= n; i += kChains * W)
+      for (int c = 0; c < kChains; ++c) top[c] = L::max(top[c], L::load(x + i + c * W));
   }
-  float most = lanes_max(top);
-  bool nan = _mm256_movemask_ps(unordered) != 0;
-  for (int64_t j = i; j < n; ++j) {
-    nan = nan || std::isnan(x[j]);
-    most = x[j] > most ? x[j] : most;
+  for (; i + W <= n; i += W) {
+    const auto v = L::load(x + i);
+    top[0] = L::max(top[0], v), odd[0] = L::add(odd[0], L::fnmadd(v, L::set(1.f), v));
   }
-  if (nan) return {0, std::numeric_limits<float>::quiet_NaN()};
-  if (!std::isfinite(most)) return {0, most == lowest ? lowest : most};  // no finite logit, or +inf: non-finite
+  float most = L::largest(L::max(L::max(top[0], top[1]), L::max(top[2], top[3])));
+  float rest = L::total(L::add(L::add(odd[0], odd[1]), L::add(odd[2], odd[3])));
+  for (; i < n; ++i) most = x[i] > most ? x[i] : most, rest += x[i] - x[i];
+  if (finite != nullptr) *finite = rest == 0.f;
+  return most;
+}
 
-  const __m256 target = _mm256_set1_ps(most);
-  for (i = 0; i + 8 <= n; i += 8)  // the first 8 holding the maximum
-    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ))) break;
-  while (x[i] != most) ++i;  // within those 8, or in the tail
-  const int64_t best = i;
+// The first index holding `most`, or n if none does (a row of NaNs).
+template <class L>
+int64_t first_index(const float* x, int64_t n, float most) {
+  const auto target = L::set(most);
+  int64_t i = 0;
+  for (; i + L::width <= n; i += L::width)  // the first vector holding it
+    if (L::any_equal(L::load(x + i), target)) break;
+  while (i < n && x[i] != most) ++i;  // within that vector, or in the tail
+  return i;
+}
 
-  __m256d sum[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
-  for (i = 0; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), target));
-    sum[0] = _mm256_add_pd(sum[0], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    sum[1] = _mm256_add_pd(sum[1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+// (first index of the maximum, log-sum-exp) of one row, in one fixed order of operations for a given width.
+template <class L>
+std::tuple<int64_t, float> row_log_norm(const float* x, int64_t n) {
+  constexpr int64_t W = L::width;
+  bool finite;
+  const float most = row_max<L>(x, n, &finite);
+  if (!finite) {  // -inf logits are allowed; a NaN or +inf, or no finite logit at all, make it non-finite
+    if (std::any_of(x, x + n, [](float v) { return std::isnan(v) || v == std::numeric_limits<float>::infinity(); }) ||
+        most == -std::numeric_limits<float>::infinity())
+      return {0, std::numeric_limits<float>::quiet_NaN()};
   }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(sum[0], sum[1]));
-  double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  const int64_t best = first_index<L>(x, n, most);
+
+  const auto shift = L::set(-most);
+  typename L::D wide[kChains / 2][2];
+  for (auto& pair : wide) pair[0] = pair[1] = L::wide_zero();
+  int64_t i = 0;
+  for (; i + kChains / 2 * W <= n; i += kChains / 2 * W)
+    for (int c = 0; c < kChains / 2; ++c)
+      L::add_wide(wide[c], exp_nonpositive<L>(L::add(L::load(x + i + c * W), shift)));
+  for (; i + W <= n; i += W) L::add_wide(wide[0], exp_nonpositive<L>(L::add(L::load(x + i), shift)));
+  double total = L::wide_total(L::wide_add(L::wide_add(wide[0][0], wide[0][1]), L::wide_add(wide[1][0], wide[1][1])));
   for (; i < n; ++i) total += std::exp(static_cast<double>(x[i] - most));
   return {best, static_cast<float>(static_cast<double>(most) + std::log(total))};
 }
@@ -72,15 +107,35 @@ std::tuple<at::Tensor, at::Tensor> log_norm(const at::Tensor& logits) {
   const float* x = logits.data_ptr<float>();
   int64_t* b = best.data_ptr<int64_t>();
   float* l = norms.data_ptr<float>();
-  // A row is tens of microseconds: a few run on the calling thread, where a thread pool's wake-up would cost more.
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) std::tie(b[r], l[r]) = row_log_norm(x + r * n, n);
+  // A row is tens of microseconds: two rows a thread at least, where a thread pool's wake-up would cost more.
+  at::parallel_for(0, rows, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) std::tie(b[r], l[r]) = row_log_norm<Widest>(x + r * n, n);
   });
   return {best, norms};
+}
+
+at::Tensor first_max(const at::Tensor& scores) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(1) > 0,
+              "scores: (b, V) float32, contiguous, V > 0");
+  const int64_t rows = scores.size(0), n = scores.size(1);
+  at::Tensor best = at::empty({rows}, scores.options().dtype(at::kLong));
+  const float* x = scores.data_ptr<float>();
+  int64_t* b = best.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {  // a few microseconds a row: on the calling thread
+    const int64_t i = first_index<Widest>(x + r * n, n, row_max<Widest>(x + r * n, n));
+    b[r] = i < n ? i : 0;
+  }
+  return best;
 }
 
 }  // namespace
 }  // namespace kvserve
 
-TORCH_LIBRARY_FRAGMENT(kvserve, m) { m.def("log_norm(Tensor logits) -> (Tensor, Tensor)"); }
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("log_norm", &kvserve::log_norm); }
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("log_norm(Tensor logits) -> (Tensor, Tensor)");
+  m.def("first_max(Tensor scores) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("log_norm", &kvserve::log_norm);
+  m.impl("first_max", &kvserve::first_max);
+}
