@@ -132,6 +132,32 @@ def test_our_decode_attention_reads_each_rows_keys_in_the_cache(dtype, h_q, h_kv
         torch.testing.assert_close(got[r:r + 1].float(), want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_q, h_kv, d", [(9, 3, 64), (32, 2, 32), (8, 2, 128)])
+def test_our_decode_attention_gives_a_row_the_same_bits_beside_its_slots_other_rows(dtype, h_q, h_kv, d):
+    """A step verifying drafts attends from several positions of one slot side by side (with AMX, they share each
+    tile product); each row's result is the one it gets decoded alone, bit for bit, across a chunk's end too."""
+    from engine.linear.native import load_kernels
+
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    generator = torch.Generator().manual_seed(d)
+    keys, values = (torch.randn(3, h_kv, 600, d, generator=generator).to(dtype) for _ in range(2))
+    slots = torch.tensor([1, 1, 1, 1, 1, 1, 0, 2, 2])
+    positions = torch.tensor([[252], [253], [254], [255], [256], [257], [9], [599], [0]])
+    q = torch.randn(9, h_q, 1, d, generator=generator).to(dtype)
+    together = torch.ops.kvserve.decode_attention(q, keys, values, slots, positions, 0)
+    for r in range(9):
+        alone = torch.ops.kvserve.decode_attention(q[r:r + 1].contiguous(), keys, values, slots[r:r + 1],
+                                                   positions[r:r + 1], 0)
+        assert torch.equal(alone, together[r:r + 1])
+        n = positions[r, 0] + 1
+        want = grouped_attention(q[r:r + 1].float(), keys[slots[r], None, :, :n].float(),
+                                 values[slots[r], None, :, :n].float(), None)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(together[r:r + 1].float(), want, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("capacity", [700, 300, 303])
 def test_our_decode_attention_reads_only_the_window(capacity):
     """A sliding layer's keys: the window's last ones, in a full-length layer (capacity 700), a ring that holds

@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
+
 #if !defined(__AVX2__) || !defined(__F16C__) || !defined(__FMA__)
 #error "kvserve's group-code products need AVX2, FMA and F16C"
 #endif
@@ -390,16 +392,8 @@ struct Codes5Tile {
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVSERVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 
 constexpr int kAmxRows = 16;  // input rows per tile product: the most an AMX tile holds
-
-// Linux hands out AMX's tile state only to processes that ask for it, once (then to all their threads).
-inline bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return permitted;
-}
 
 // Tiles: 0 and 1 = `rows` input rows' 32 codes of a group (A, signed); 2 and 3 = a group's 8 weight operands, each
 // 4 inputs of 16 output rows, which is AMX's layout for B (unsigned); 4..7 = (rows, 16) int32 dot products of 4
