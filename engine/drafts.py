@@ -202,12 +202,12 @@ class DraftBudget:
     Its chance that a draft is right is counted per verified position (a kept draft, or the first rejected one;
     older outcomes weigh less); the j-th draft of a step is kept with that chance to the power j, so a step
     proposes drafts while that is above StepCosts.threshold. Where no draft pays (free text, a large batch), one
-    is still proposed now and then (after 1, 2, 4 ... steps, up to MAX_PAUSE), so that a request whose text turns
-    predictable (a quote, a repeated call) is drafted again.
+    is still proposed now and then (after 1, 2, 4 ... steps, up to MAX_PAUSE; a right one halves the pause), so
+    that a request whose text turns predictable (a quote, a repeated call) is drafted again.
     """
 
     limit: int
-    decay: float = 0.9
+    decay: float = 0.95
     right: float = 1.0  # a prior of one right and one wrong draft: a chance of 1/2 before any is verified
     wrong: float = 1.0
     wait: int = 0  # steps until the next probe, while no draft pays
@@ -236,8 +236,8 @@ class DraftBudget:
             return
         self.right = self.right * self.decay + accepted
         self.wrong = self.wrong * self.decay + (accepted < proposed)
-        if accepted:
-            self.every = 1
+        if accepted:  # halved, not reset: in free text one probe in several is right by chance
+            self.every = max(1, self.every // 2)
 
 
 def match_class(n: int) -> int:
@@ -253,18 +253,29 @@ class MatchBudgets:
     model's output of the bench's tasks, drafts after a match of 4 tokens were kept 94% of the time in a code edit
     and 5 of 6 in free text, after a match of 1 token 23% and 8%. One chance for all would either waste rows on
     single-token matches or forgo long ones; each length learning its own drafts only where its matches pay.
-    `update` counts the outcome of the drafts `allowed` last sized.
+    A length seen for the first time starts from the request's own drafts so far, all lengths pooled (as much
+    weight as the first prior's two outcomes): in free text, where every length fails, each new one would
+    otherwise spend its first rows finding that out again. `update` counts the outcome of the drafts `allowed`
+    last sized.
     """
 
     limit: int
     budgets: dict[tuple[str, int], DraftBudget] = field(default_factory=dict)
     last: tuple[str, int] | None = None  # the (method, class of n) whose drafts are being verified
+    pooled: DraftBudget = field(init=False)  # every length's outcomes: the prior of a length not seen yet
+
+    def __post_init__(self) -> None:
+        self.pooled = DraftBudget(self.limit)
 
     def allowed(self, method: str, n: int, threshold: float) -> int:
         """Drafts this step may propose after a match of n tokens by `method` (0: none)."""
         self.last = (method, match_class(n))
-        return self.budgets.setdefault(self.last, DraftBudget(self.limit)).allowed(threshold)
+        if self.last not in self.budgets:
+            chance = self.pooled.chance
+            self.budgets[self.last] = DraftBudget(self.limit, right=2 * chance, wrong=2 * (1 - chance))
+        return self.budgets[self.last].allowed(threshold)
 
     def update(self, proposed: int, accepted: int) -> None:
         if self.last is not None:
             self.budgets[self.last].update(proposed, accepted)
+            self.pooled.update(proposed, accepted)

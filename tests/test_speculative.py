@@ -133,15 +133,15 @@ def test_draft_budget_drafts_what_pays_and_probes_where_nothing_does():
     for _ in range(6):
         budget.update(proposed=4, accepted=4)
     assert budget.allowed(threshold=0.3) == 4
-    for _ in range(20):
+    for _ in range(40):
         budget.update(proposed=4, accepted=0)
     assert budget.chance < 0.3
     # Nothing pays: a single probe, then 1, 2, 4 ... steps without, up to MAX_PAUSE.
     pattern = [budget.allowed(threshold=0.3) for _ in range(1 + 1 + 1 + 2 + 1 + 4 + 1)]
     assert pattern == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1]
-    budget.every = MAX_PAUSE * 4
-    budget.update(proposed=1, accepted=1)  # a probe that was right: probes come at once again
-    assert budget.every == 1
+    budget.every = MAX_PAUSE
+    budget.update(proposed=1, accepted=1)  # a probe that was right: probes come twice as often
+    assert budget.every == MAX_PAUSE // 2
 
 
 def test_each_length_of_match_learns_its_own_chance():
@@ -153,8 +153,22 @@ def test_each_length_of_match_learns_its_own_chance():
             budgets.update(proposed=k, accepted=k)
     assert budgets.budgets["ngram", 1].chance < 0.1 < 0.9 < budgets.budgets["ngram", 4].chance
     assert budgets.allowed("ngram", 4, threshold=0.3) == 4
-    assert budgets.allowed("suffix", 4, threshold=0.3) == 1  # another method's matches start from the prior
     assert [budgets.allowed("ngram", 1, threshold=0.3) for _ in range(3)].count(0) >= 1  # probes only
+
+
+def test_a_length_not_seen_yet_starts_from_the_requests_own_drafts():
+    """Free text: drafts after every length fail, so a new length starts where the others ended (probes only);
+    a code edit: they hold, so a new length drafts as much as pays at once."""
+    failing, holding = MatchBudgets(limit=4), MatchBudgets(limit=4)
+    assert failing.allowed("ngram", 1, threshold=0.2) == 2  # the first prior: a chance of 1/2 (0.25 > 0.2 > 0.125)
+    for n in (1, 2, 3, 1, 2, 3):
+        if k := failing.allowed("ngram", n, threshold=0.2):
+            failing.update(proposed=k, accepted=0)
+        if k := holding.allowed("ngram", n, threshold=0.2):
+            holding.update(proposed=k, accepted=k)
+    assert failing.pooled.chance < 0.2 < 0.8 < holding.pooled.chance
+    assert failing.allowed("suffix", 8, threshold=0.2) == 1 and failing.budgets["suffix", 8].chance < 0.2  # a probe
+    assert holding.allowed("suffix", 8, threshold=0.2) == 4
 
 
 # ---- the engine: the output is the output without speculation ------------------------------------------------
