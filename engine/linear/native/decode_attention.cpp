@@ -255,7 +255,8 @@ inline __m512i interleave_halves(__m512i v) {
 }
 
 // One chunk [begin, end) of one unit's K/V head (keys, values: the head's entries), for its M <= 16 queries (q[m]:
-// d bfloat16; last[m]: the last entry query m sees, every one of them before `end`): as attend_chunk, each query's
+// d bfloat16; last[m]: the last entry query m sees; a chunk of fewer than kChunk keys is the unit's last, and ends
+// past every query's last entry): as attend_chunk, each query's
 // maximum score, sum of weights and Σ weight·v, into maximum[m], total[m] and out[m·d + j]. The tiles are
 // configured by the caller (AttentionTiles). Per query, the keys run in vectors of 16 from `begin`, those past its
 // own scoring −∞ and weighing 0, whatever the chunk's end: the same sums in the same order for any unit.
