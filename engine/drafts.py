@@ -196,26 +196,43 @@ class StepCosts:
 
 
 @dataclass
+class Outcomes:
+    """Verified draft positions, older ones weighing less (each update multiplies them by `decay`): a kept draft is
+    right, the first rejected one wrong. Starts from a prior of one of each: a chance of 1/2 before any is verified."""
+
+    decay: float = 0.95
+    right: float = 1.0
+    wrong: float = 1.0
+
+    @property
+    def chance(self) -> float:
+        """That a draft is right."""
+        return self.right / (self.right + self.wrong)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.right = self.right * self.decay + accepted
+            self.wrong = self.wrong * self.decay + (accepted < proposed)
+
+
+@dataclass
 class DraftBudget:
     """How many drafts one request proposes in a step, from how often its drafts were right and what a draft costs.
 
-    Its chance that a draft is right is counted per verified position (a kept draft, or the first rejected one;
-    older outcomes weigh less); the j-th draft of a step is kept with that chance to the power j, so a step
+    The j-th draft of a step is kept with the chance that a draft is right (Outcomes) to the power j, so a step
     proposes drafts while that is above StepCosts.threshold. Where no draft pays (free text, a large batch), one
     is still proposed now and then (after 1, 2, 4 ... steps, up to MAX_PAUSE; a right one halves the pause), so
     that a request whose text turns predictable (a quote, a repeated call) is drafted again.
     """
 
     limit: int
-    decay: float = 0.95
-    right: float = 1.0  # a prior of one right and one wrong draft: a chance of 1/2 before any is verified
-    wrong: float = 1.0
+    outcomes: Outcomes = field(default_factory=Outcomes)
     wait: int = 0  # steps until the next probe, while no draft pays
     every: int = 1  # steps between probes
 
     @property
     def chance(self) -> float:
-        return self.right / (self.right + self.wrong)
+        return self.outcomes.chance
 
     def allowed(self, threshold: float) -> int:
         """Drafts this step may propose (0: none); counts a step without."""
@@ -232,10 +249,7 @@ class DraftBudget:
         return 1
 
     def update(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:
-            return
-        self.right = self.right * self.decay + accepted
-        self.wrong = self.wrong * self.decay + (accepted < proposed)
+        self.outcomes.update(proposed, accepted)
         if accepted:  # halved, not reset: in free text one probe in several is right by chance
             self.every = max(1, self.every // 2)
 
@@ -262,17 +276,14 @@ class MatchBudgets:
     limit: int
     budgets: dict[tuple[str, int], DraftBudget] = field(default_factory=dict)
     last: tuple[str, int] | None = None  # the (method, class of n) whose drafts are being verified
-    pooled: DraftBudget = field(init=False)  # every length's outcomes: the prior of a length not seen yet
-
-    def __post_init__(self) -> None:
-        self.pooled = DraftBudget(self.limit)
+    pooled: Outcomes = field(default_factory=Outcomes)  # every length's: the prior of a length not seen yet
 
     def allowed(self, method: str, n: int, threshold: float) -> int:
         """Drafts this step may propose after a match of n tokens by `method` (0: none)."""
         self.last = (method, match_class(n))
         if self.last not in self.budgets:
             chance = self.pooled.chance
-            self.budgets[self.last] = DraftBudget(self.limit, right=2 * chance, wrong=2 * (1 - chance))
+            self.budgets[self.last] = DraftBudget(self.limit, Outcomes(right=2 * chance, wrong=2 * (1 - chance)))
         return self.budgets[self.last].allowed(threshold)
 
     def update(self, proposed: int, accepted: int) -> None:

@@ -189,6 +189,24 @@ void attend_chunk(Scratch<L, T>& scratch, const T* keys, const T* values, int64_
     weigh_values<L>(values + begin * d, n, d, scores + h0 * padded, padded, std::min(kHeads, g - h0), out + h0 * d);
 }
 
+// A row's result for one query head from its chunks' partials: block(c) is chunk c's, which holds `lanes` maxima,
+// then `lanes` sums of weights, then `lanes` runs of d weighted values; the head is lane i. Each chunk is rescaled
+// to the largest maximum, in chunk order: the same bits whichever kernel filled the blocks in that layout.
+template <typename T, typename Block>
+void merge_chunks(int64_t chunks, Block block, int64_t lanes, int64_t i, int64_t d, std::vector<float>& acc, T* dst) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) top = std::max(top, block(c)[i]);
+  std::fill(acc.begin(), acc.end(), 0.f);
+  float sum = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = block(c);
+    const float weight = std::exp(p[i] - top);
+    sum += weight * p[lanes + i];
+    for (int64_t j = 0; j < d; ++j) acc[j] += weight * p[2 * lanes + i * d + j];
+  }
+  for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(acc[j] / sum);
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KVSERVE_AMX_ATTENTION 1
 
@@ -422,21 +440,9 @@ at::Tensor attend_amx(const at::Tensor& q, const at::Tensor& keys, const at::Ten
     std::vector<float> acc(d);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t r = task / h_kv, head = task % h_kv, u = unit_of[r], chunks = position[r] / kChunk + 1;
-      for (int64_t h = 0; h < g; ++h) {  // merge the row's own chunks (never those past its position)
-        const int64_t m = (r - unit_first[u]) * g + h;
-        const auto at = [&](int64_t c) { return partial.data() + (task_first[u] + c * h_kv + head) * stride; };
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, at(c)[m]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float sum = 0;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const float weight = std::exp(at(c)[m] - top);
-          sum += weight * at(c)[kLanes + m];
-          for (int64_t j = 0; j < d; ++j) acc[j] += weight * at(c)[2 * kLanes + m * d + j];
-        }
-        at::BFloat16* dst = o + (r * h_q + head * g + h) * d;
-        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<at::BFloat16>(acc[j] / sum);
-      }
+      const auto block = [&](int64_t c) { return partial.data() + (task_first[u] + c * h_kv + head) * stride; };
+      for (int64_t h = 0; h < g; ++h)  // the row's own chunks (never those past its position); its lane in the unit
+        merge_chunks(chunks, block, kLanes, (r - unit_first[u]) * g + h, d, acc, o + (r * h_q + head * g + h) * d);
     }
   });
   return out;
@@ -520,20 +526,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     std::vector<float> acc(d);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t r = task / h_kv, head = task % h_kv;
-      for (int64_t h = 0; h < g; ++h) {  // merge the row's chunks: rescale each to the largest maximum
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t c = first[r]; c < first[r + 1]; ++c) top = std::max(top, partial[(c * h_kv + head) * stride + h]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float sum = 0;
-        for (int64_t c = first[r]; c < first[r + 1]; ++c) {
-          const float* p = partial.data() + (c * h_kv + head) * stride;
-          const float weight = std::exp(p[h] - top);
-          sum += weight * p[g + h];
-          for (int64_t j = 0; j < d; ++j) acc[j] += weight * p[2 * g + h * d + j];
-        }
-        T* dst = o + (r * h_q + head * g + h) * d;
-        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(acc[j] / sum);
-      }
+      const auto block = [&](int64_t c) { return partial.data() + ((first[r] + c) * h_kv + head) * stride; };
+      for (int64_t h = 0; h < g; ++h)
+        merge_chunks(first[r + 1] - first[r], block, g, h, d, acc, o + (r * h_q + head * g + h) * d);
     }
   });
   return out;

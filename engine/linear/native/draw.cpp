@@ -21,7 +21,7 @@
 #include <limits>
 #include <vector>
 
-#include "eight.h"
+#include "lanes.h"
 
 namespace kvserve {
 namespace {
@@ -37,7 +37,7 @@ inline double run_weights(const float* s, __m256 most, float* w) {
     _mm256_storeu_ps(w, _mm256_setzero_ps());
     return 0.0;
   }
-  const __m256 e = _mm256_and_ps(kept, exp_nonpositive(_mm256_max_ps(x, _mm256_set1_ps(kNegligible))));
+  const __m256 e = _mm256_and_ps(kept, exp_nonpositive<Lanes8>(_mm256_max_ps(x, _mm256_set1_ps(kNegligible))));
   _mm256_storeu_ps(w, e);
   const __m256d pairs =
       _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)), _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));

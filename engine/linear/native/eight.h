@@ -1,5 +1,5 @@
 // Eight values at a time as float32 (AVX2), from and to float32 or bfloat16: what the decode attention and the
-// norms read and write; and the sampler kernels' exponential and maximum.
+// norms read and write; and the sampler's maximum of eight lanes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,25 +25,6 @@ inline void store8(at::BFloat16* p, __m256 v) {  // the upper halves of the roun
   const __m256i halves = _mm256_srli_epi32(_mm256_castps_si256(round_bfloat16(v)), 16);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1)));
-}
-
-// exp(x) for x <= 0, to about a float32 ulp (Cephes' expf: x = n·ln 2 + f, |f| <= ln 2 / 2, a degree-5 polynomial
-// in f, then 2^n into the exponent); 0 below -87.3 (past float32's smallest normal number).
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: f exact to float32
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
 }
 
 inline float lanes_max(__m256 v) {
