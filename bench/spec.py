@@ -2,8 +2,8 @@
 guessed from their input, and whether the output stayed the same.
 
 Two engines on the same model, side by side in one process: plain decoding and speculation on, their runs
-alternated (the speedup is the median of each pair's ratio); the second must reproduce the first's tokens exactly
-(on a quantized model, compiled or not: every graph gives a row the eager step's bits). A single stream's rate is
+alternated, each pair in turn starting with the other (the speedup is the median of each pair's ratio); speculation
+must reproduce plain decoding's tokens exactly (on a quantized model, compiled or not: every graph gives a row the eager step's bits). A single stream's rate is
 its decode rate (the tokens after the first over the time after it); the mixed streams' is their tokens over the
 steps in which every stream has a request in the engine (each sends its next request as its last ends). Each run
 starts with an empty suffix index: a repeated request is drafted from its own history, as a new one is (the mixed
@@ -103,12 +103,17 @@ def run(args: argparse.Namespace) -> dict:
         """Runs of the load without and with speculation, one after the other: (plain rates, speculative rates,
         whether every speculative run's tokens were the plain runs', the tokens). A pair runs in the same stretch
         of a shared machine, whose speed moves by tens of percent within minutes: the speedup is the median of
-        the pairs' ratios."""
+        the pairs' ratios. Every other pair runs the speculative engine first, so that neither side always runs
+        after the other (whose weights it finds evicted from the caches, say)."""
         plain_rates, rates, same, ids = [], [], True, None
-        for _ in range(1 if args.quick else args.repeats):
+        for pair in range(1 if args.quick else args.repeats):
             fast.forget_replies()  # else `auto` drafts a repeated request from its own earlier reply
-            plain_rate, ids = measure(plain, load)
-            rate, got = measure(fast, load)
+            if pair % 2:
+                rate, got = measure(fast, load)
+                plain_rate, ids = measure(plain, load)
+            else:
+                plain_rate, ids = measure(plain, load)
+                rate, got = measure(fast, load)
             plain_rates.append(plain_rate)
             rates.append(rate)
             same = same and got == ids

@@ -7,7 +7,11 @@ can change what a request gets, only how many of its tokens one step emits.
 - `NgramIndex` (prompt lookup): where the last n tokens occurred before in the request's own prompt and output, the
   tokens that followed them then. The newest 4 tokens' earlier occurrences are told apart by how far back each
   agrees with the newest tokens (up to MAX_MATCH), so that text that repeats with variations (a loop of two phrases
-  that end alike, code edited in one place) follows the occurrence that matches most; else 3, 2, 1 tokens.
+  that end alike, code edited in one place) follows the occurrence that matches most; else the latest occurrence
+  of the newest 3 tokens. After a match of only 2 or 1 tokens (a word, a bracket, a line's indent: they recur
+  everywhere) no one occurrence says much, so the draft follows what most of them continued with, token by
+  token, as far as two of them agree: a frequency-scored path through the continuations, as suffix decoding
+  scores its tree.
 - `SuffixCorpus`: the same lookup over the outputs of recently finished requests, bounded in tokens, so that an
   agent's repeated tool calls and boilerplate are drafted from earlier replies (the earlier reply that agrees with
   the newest tokens furthest back, where several share them).
@@ -27,7 +31,8 @@ SPECULATIVE_MODES = ("off", "ngram", "suffix", "auto")
 NGRAM_SIZES = (4, 3, 2, 1)  # longest match first: a longer context predicts its continuation better
 MAX_PAUSE = 32  # steps a request drafts nothing after its drafts failed repeatedly, at most
 MAX_MATCH = 32  # tokens a match of the newest tokens is followed back, at most
-MATCH_CANDIDATES = 16  # the latest earlier occurrences of the newest 4 tokens compared, at most
+MATCH_CANDIDATES = 16  # the latest earlier occurrences of the newest tokens compared, at most
+SHORT_MATCH = 2  # matches of at most this many tokens are drafted by their occurrences' common continuation
 
 Place = int | tuple[int, int]  # where an n-gram ended: an index in one list, or (list id, index)
 
@@ -45,64 +50,79 @@ def agreement(tokens: list[int], end: int, context: list[int]) -> int:
     return n
 
 
-def record(tokens: list[int], end: int, place: Place, occurrences: dict, ends: dict) -> None:
-    """The n-grams ending at tokens[end] as ending at `place`: every place of the longest size (occurrences), the
-    latest of the shorter ones (ends)."""
+def record(tokens: list[int], end: int, place: Place, occurrences: dict) -> None:
+    """The n-grams ending at tokens[end] as ending at `place`, after their earlier places."""
     for key in ngrams_ending(tokens, end):
-        if len(key) == NGRAM_SIZES[0]:
-            occurrences.setdefault(key, []).append(place)
+        occurrences.setdefault(key, []).append(place)
+
+
+def common_continuation(places: list[Place], tokens_at: Callable[[Place], tuple[list[int], int]], k: int) -> list[int]:
+    """Up to k tokens that most of `places` (n-gram ends, oldest first) were followed by, token by token: each the
+    one most of the places still in agreement continued with (the latest's among equals), past the first only
+    where two or more did, and those places go on."""
+    found = [tokens_at(place) for place in places]
+    drafts: list[int] = []
+    while len(drafts) < k:
+        j = len(drafts) + 1
+        votes: dict[int, tuple[int, int]] = {}  # token -> (places continued with it, the latest's rank)
+        for rank, (tokens, end) in enumerate(found):
+            if end + j < len(tokens):
+                token = tokens[end + j]
+                votes[token] = (votes.get(token, (0, 0))[0] + 1, rank)
+        if not votes:
+            break
+        token, (count, _) = max(votes.items(), key=lambda vote: vote[1])
+        if drafts and count < 2:
+            break
+        drafts.append(token)
+        found = [(tokens, end) for tokens, end in found if end + j < len(tokens) and tokens[end + j] == token]
+    return drafts
+
+
+def draft_from(context: list[int], occurrences: dict, tokens_at: Callable[[Place], tuple[list[int], int]],
+               k: int) -> tuple[int, list[int]]:
+    """(n, up to k tokens) guessed to follow `context` from the places its newest n-grams ended (`record`; n of the
+    newest tokens agree), or (0, []): of the latest MATCH_CANDIDATES places of its newest 4 tokens, the one whose
+    tokens (tokens_at(place): a list and the index there) agree with the context furthest back, the latest among
+    equals, and what followed it; else the latest place of its newest 3; else the common continuation of its
+    newest 2's or 1's latest places."""
+    for n in NGRAM_SIZES:
+        places = occurrences.get(tuple(context[-n:])) if len(context) >= n else None
+        if not places:
+            continue
+        if n == NGRAM_SIZES[0]:
+            n, place = max((agreement(*tokens_at(place), context), place) for place in places[-MATCH_CANDIDATES:])
+        elif n > SHORT_MATCH:
+            place = places[-1]
         else:
-            ends[key] = place
-
-
-def best_match(context: list[int], occurrences: dict, ends: dict,
-               tokens_at: Callable[[Place], tuple[list[int], int]]) -> tuple[int, Place] | None:
-    """(n, place) of the match of `context`'s newest tokens recorded (`record`): of the latest MATCH_CANDIDATES
-    places of its longest n-gram, the one whose tokens (tokens_at(place): a list and the index there) agree with
-    the context furthest back, the latest among equals; else its longest shorter n-gram's latest place."""
-    longest = NGRAM_SIZES[0]
-    places = occurrences.get(tuple(context[-longest:])) if len(context) >= longest else None
-    if places:
-        return max((agreement(*tokens_at(place), context), place) for place in places[-MATCH_CANDIDATES:])
-    for n in NGRAM_SIZES[1:]:
-        place = ends.get(tuple(context[-n:])) if len(context) >= n else None
-        if place is not None:
-            return n, place
-    return None
+            return n, common_continuation(places[-MATCH_CANDIDATES:], tokens_at, k)
+        tokens, end = tokens_at(place)
+        return n, tokens[end + 1: end + 1 + k]
+    return 0, []
 
 
 @dataclass
 class NgramIndex:
-    """For every n-gram (n in NGRAM_SIZES) of a token list, where it ended, kept as the list grows: every end of the
-    longest size, the latest of the shorter ones.
+    """For every n-gram (n in NGRAM_SIZES) of a token list, where it ended, kept as the list grows.
 
-    `propose` looks up the n-gram that ends at the newest token among those that ended earlier: each position
-    is indexed once the next token exists, so the newest n-gram never matches itself, and a match's
-    continuation always has at least one token. Of the longest n-gram's earlier occurrences (the latest
-    MATCH_CANDIDATES), the one whose tokens agree with the newest ones furthest back wins, the latest among equals.
+    `propose` looks up the n-grams that end at the newest token among those that ended earlier (draft_from): each
+    position is indexed once the next token exists, so the newest n-gram never matches itself, and a match's
+    continuation always has at least one token.
     """
 
     tokens: list[int] = field(default_factory=list)
-    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # shorter n-gram -> index of its last token, latest
-    occurrences: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # longest n-gram -> its ends, in order
+    occurrences: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> its ends, in order
 
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
             end = len(self.tokens) - 1  # the previous newest token now has a successor
-            record(self.tokens, end, end, self.occurrences, self.ends)
+            record(self.tokens, end, end, self.occurrences)
             self.tokens.append(token)
 
-    def match(self) -> tuple[int, int] | None:
-        """(n, end of the earlier occurrence): the newest tokens' best match seen before (n of them agree)."""
-        return best_match(self.tokens, self.occurrences, self.ends, lambda end: (self.tokens, end))
-
-    def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the newest tokens' best earlier match ([] if they have none)."""
-        found = self.match()
-        if found is None or k <= 0:
-            return []
-        _, end = found
-        return self.tokens[end + 1: end + 1 + k]
+    def propose(self, k: int) -> tuple[int, list[int]]:
+        """(n, up to k tokens) guessed to follow the newest tokens, n of which matched earlier ones; (0, []) if
+        they match none."""
+        return draft_from(self.tokens, self.occurrences, lambda end: (self.tokens, end), max(k, 0))
 
 
 class SuffixCorpus:
@@ -114,8 +134,7 @@ class SuffixCorpus:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.max_tokens = max_tokens
         self._lists: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, oldest first
-        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # shorter n-gram -> (list id, its last token), latest
-        self._occurrences: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # longest n-gram -> all, oldest first
+        self._occurrences: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # n-gram -> (list id, end), oldest first
         self._ids = 0
         self.tokens = 0  # held in all
 
@@ -129,33 +148,23 @@ class SuffixCorpus:
         self._lists[self._ids] = tokens
         self.tokens += len(tokens)
         for end in range(len(tokens) - 1):  # the last token has no successor to propose
-            record(tokens, end, (self._ids, end), self._occurrences, self._ends)
+            record(tokens, end, (self._ids, end), self._occurrences)
 
     def _drop_oldest(self) -> None:
         list_id, tokens = self._lists.popitem(last=False)
         self.tokens -= len(tokens)
-        longest = set()
-        for end in range(len(tokens) - 1):
-            for key in ngrams_ending(tokens, end):
-                if len(key) == NGRAM_SIZES[0]:
-                    longest.add(key)
-                elif self._ends.get(key, (None,))[0] == list_id:
-                    del self._ends[key]  # a later list's occurrence of the same n-gram stays
-        for key in longest:
-            kept = [found for found in self._occurrences[key] if found[0] != list_id]
-            if kept:
-                self._occurrences[key] = kept
-            else:
+        for key in {key for end in range(len(tokens) - 1) for key in ngrams_ending(tokens, end)}:
+            places = self._occurrences[key]
+            oldest = next((i for i, place in enumerate(places) if place[0] != list_id), len(places))
+            if oldest == len(places):
                 del self._occurrences[key]
+            else:
+                del places[:oldest]  # the oldest list's places come first: lists are added in order
 
     def propose(self, context: list[int], k: int) -> tuple[int, list[int]]:
-        """(n, up to k tokens) that followed the best match of `context`'s last tokens in a held list, chosen as
-        NgramIndex.match chooses; (0, []) if none."""
-        found = best_match(context, self._occurrences, self._ends, lambda place: (self._lists[place[0]], place[1]))
-        if found is None:
-            return 0, []
-        n, (list_id, end) = found
-        return n, self._lists[list_id][end + 1: end + 1 + k]
+        """(n, up to k tokens) guessed to follow `context`'s newest tokens from the held lists, as NgramIndex
+        guesses from its own (draft_from); (0, []) if they match none."""
+        return draft_from(context, self._occurrences, lambda place: (self._lists[place[0]], place[1]), max(k, 0))
 
 
 @dataclass

@@ -612,10 +612,10 @@ class Engine:
             request.ngrams.extend(request.prompt_ids)
         index = request.ngrams
         index.extend(request.output_ids[len(index.tokens) - len(request.prompt_ids):])
-        own = index.match() if self.speculative in ("ngram", "auto") else None
+        own = index.propose(room) if self.speculative in ("ngram", "auto") else (0, [])
         shared = self.corpus.propose(index.tokens, room) if self.corpus is not None else (0, [])
-        if own is not None and own[0] >= shared[0]:
-            method, n, tokens = "ngram", own[0], index.propose(room)
+        if own[1] and own[0] >= shared[0]:
+            method, (n, tokens) = "ngram", own
         elif shared[1]:
             method, n, tokens = "suffix", *shared
         else:

@@ -71,14 +71,26 @@ def run(engine, prompts, params):
 def test_ngram_index_proposes_what_followed_the_latest_longest_match():
     index = NgramIndex()
     index.extend([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
-    assert index.match() == (3, 6)  # "1 2 3" last ended at index 6 (before the newest), then came 4 5
-    assert index.propose(3) == [4, 5, 1]
-    assert NgramIndex(tokens=[], ends={}).propose(4) == []
+    assert index.propose(3) == (3, [4, 5, 1])  # "1 2 3" last ended at index 6 (before the newest), then came 4 5
+    assert NgramIndex().propose(4) == (0, [])
     fresh = NgramIndex()
     fresh.extend([7, 8])
-    assert fresh.propose(4) == []  # "8" never occurred before: nothing to propose
+    assert fresh.propose(4) == (0, [])  # "8" never occurred before: nothing to propose
     fresh.extend([7])
-    assert fresh.propose(4) == [8, 7]  # "7" occurred at 0: what followed it, up to the newest token
+    assert fresh.propose(4) == (1, [8])  # "7" occurred once: its next token; no second occurrence agrees past it
+
+
+def test_a_short_match_drafts_what_most_of_its_occurrences_continued_with():
+    """After a match of one token (a bracket, an indent), its latest occurrence says little: the draft follows the
+    continuation most of its occurrences share, token by token, as far as two of them agree."""
+    index = NgramIndex()
+    index.extend([20, 1, 5, 6, 9, 21, 1, 5, 7, 9, 22, 1, 5, 6, 8, 23, 1])  # "23 1" is new; "1" came 3 times
+    assert index.propose(4) == (1, [5, 6])  # 5 after all three, then 6 after two; 9 and 8 after one each
+    index.extend([5, 7])  # "1 5 7" came once (ending at 8): a match of 3 tokens drafts what followed it whole
+    assert index.propose(4) == (3, [9, 22, 1, 5])
+    tie = NgramIndex()
+    tie.extend([30, 1, 5, 31, 1, 6, 32, 1])
+    assert tie.propose(4) == (1, [6])  # one vote each: the latest occurrence's
 
 
 def test_ngram_index_follows_the_occurrence_that_agrees_furthest_back():
@@ -86,27 +98,28 @@ def test_ngram_index_follows_the_occurrence_that_agrees_furthest_back():
     tokens occurred twice, and the longer context tells which continuation is the loop's."""
     index = NgramIndex()
     index.extend([5, 1, 2, 3, 4, 7, 6, 1, 2, 3, 4, 8, 5, 1, 2, 3, 4])
-    assert index.match() == (5, 4)  # "5 1 2 3 4" ended at 4; the latest "1 2 3 4" (at 10) agrees for 4 tokens only
-    assert index.propose(3) == [7, 6, 1]
+    # "5 1 2 3 4" ended at 4, followed by 7 6 1; the latest "1 2 3 4" (at 10) agrees for 4 tokens only
+    assert index.propose(3) == (5, [7, 6, 1])
     index.extend([7, 6, 1, 2, 3, 4])  # the occurrence ending at 10 now agrees back to the first token: 11
-    assert index.match() == (11, 10) and index.propose(1) == [8]
+    assert index.propose(1) == (11, [8])
     repeated = NgramIndex()
     repeated.extend([9] * (MAX_MATCH + 10))
-    assert repeated.match() == (MAX_MATCH, MAX_MATCH + 8)  # as long as MAX_MATCH at most; the latest of equals
+    assert repeated.propose(1) == (MAX_MATCH, [9])  # as long as MAX_MATCH at most
     assert [match_class(n) for n in (1, 3, 4, 7, 8, 31, 32)] == [1, 3, 4, 4, 8, 16, 32]
 
 
 def test_suffix_corpus_drafts_from_finished_lists_within_its_bound():
     corpus = SuffixCorpus(max_tokens=10)
     corpus.add([1, 2, 3, 4, 5, 6])
-    assert corpus.propose([9, 2, 3], 3) == (2, [4, 5, 6])
+    assert corpus.propose([9, 2, 3], 3) == (2, [4])  # one occurrence of "2 3": its next token
     corpus.add([20, 21, 22, 23, 24, 25])  # 12 tokens > 10: the first list goes, and its n-grams with it
     assert corpus.tokens == 6 and corpus.propose([2, 3], 3) == (0, [])
-    assert corpus.propose([21, 22], 2) == (2, [23, 24])
+    assert corpus.propose([21, 22], 2) == (2, [23])
     corpus.add([30, 21, 22, 99])  # the same n-gram in a newer list wins; dropping the older keeps the newer's
     assert corpus.propose([21, 22], 1) == (2, [99])
     corpus.add(list(range(100, 130)))  # longer than the bound: only its last 10 tokens are kept
-    assert corpus.tokens == 10 and corpus.propose([125], 2) == (1, [126, 127])
+    assert corpus.tokens == 10 and corpus.propose([124, 125], 2) == (2, [126])
+    assert corpus.propose([0, 123, 124, 125], 3) == (3, [126, 127, 128])  # 3 tokens: the latest occurrence's
     assert corpus.propose([21, 22], 1) == (0, [])
     calls = SuffixCorpus(max_tokens=100)  # two earlier replies share "1 2 3 4"; what came before tells them apart
     calls.add([7, 1, 2, 3, 4, 50, 51])
