@@ -1,11 +1,12 @@
 """Speculative decoding: tokens per second with drafts verified vs without, on tasks whose output can and cannot be
 guessed from their input, and whether the output stayed the same.
 
-Two engines on the same model, side by side in one process: plain decoding and speculation on, their runs
-alternated, each pair in turn starting with the other (the speedup is the median of each pair's ratio); speculation
-must reproduce plain decoding's tokens exactly (on a quantized model, compiled or not: every graph gives a row the eager step's bits). A single stream's rate is
-its decode rate (the tokens after the first over the time after it); the mixed streams' is their tokens over the
-steps in which every stream has a request in the engine (each sends its next request as its last ends). Each run
+Two engines on the same model, side by side in one process: plain decoding and speculation on, a pair of runs
+at a time with their steps interleaved (each side timing its own steps), so that both meet the same moments of a
+shared machine; the speedup is the median of the pairs' ratios. Speculation must reproduce plain decoding's tokens
+exactly (on a quantized model, compiled or not: every graph gives a row the eager step's bits). A single stream's
+rate is its decode rate (the tokens after the first over the steps after it); the mixed streams' is their tokens
+over the steps in which every stream has a request in the engine (each sends its next request as its last ends). Each run
 starts with an empty suffix index: a repeated request is drafted from its own history, as a new one is (the mixed
 streams' 48 requests of 4 prompts still draft from each other's replies within a run).
 With --llama-bin, llama.cpp's llama-server runs the single-stream tasks on the same GGUF file, with its n-gram
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable, Generator
 
 import httpx
 import torch
@@ -24,9 +26,9 @@ import torch
 from bench.common import machine, machine_line, markdown_table, write_results
 from bench.families import llama_server
 from bench.structured import PERSON
-from engine import EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from engine.grammar import json_schema_grammar
-from weights.loading import load_engine
+from weights.loading import load_model
 
 PASSAGE = ("The KV cache holds, for every sequence slot, every layer and every position, the keys and values of the "
            "attention heads, so that a decode step computes attention for one new token against everything before "
@@ -82,15 +84,17 @@ def run(args: argparse.Namespace) -> dict:
     max_tokens = 32 if args.quick else args.max_tokens
     path = resolve_model(args.model)
 
-    def engine(speculative: str):
-        made = load_engine(path, EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=streams,
-                                              max_seq_len=2048, prefix_caching=False, compile=args.compile, seed=0,
-                                              speculative=speculative,
-                                              num_speculative_tokens=args.num_speculative_tokens))
-        made.compile()
-        return made
+    def config(speculative: str) -> EngineConfig:
+        return EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=streams, max_seq_len=2048,
+                            prefix_caching=False, compile=args.compile, seed=0, speculative=speculative,
+                            num_speculative_tokens=args.num_speculative_tokens)
 
-    plain, fast = engine("off"), engine(args.speculative)
+    # One model under both engines: the same weights in the same pages, so that neither side's placement in memory
+    # (huge pages or not, which lines share a cache set) is what the ratio measures.
+    model, tokenizer = load_model(path, config("off")), Tokenizer.from_dir(path)
+    plain, fast = Engine(model, tokenizer, config("off")), Engine(model, tokenizer, config(args.speculative))
+    for made in (plain, fast):
+        made.compile()
     chosen = tasks()
     chat = plain.tokenizer.chat_template is not None  # a base model (gemma-3-270m) continues the text itself
     prompts = {name: plain.tokenizer.encode_chat([{"role": "user", "content": text}], parse_special=False) if chat
@@ -99,38 +103,35 @@ def run(args: argparse.Namespace) -> dict:
     def params(name: str) -> SamplingParams:
         return SamplingParams(**({"max_new_tokens": max_tokens, "temperature": 0} | chosen[name][1]))
 
-    def paired(measure, load) -> tuple[list[float], list[float], bool, list[list[int]]]:
-        """Runs of the load without and with speculation, one after the other: (plain rates, speculative rates,
-        whether every speculative run's tokens were the plain runs', the tokens). A pair runs in the same stretch
-        of a shared machine, whose speed moves by tens of percent within minutes: the speedup is the median of
-        the pairs' ratios. Every other pair runs the speculative engine first, so that neither side always runs
-        after the other (whose weights it finds evicted from the caches, say)."""
-        plain_rates, rates, same, ids = [], [], True, None
+    def paired(measure, load) -> tuple[list[float], list[float], bool, list[list[int]], tuple[int, int]]:
+        """Runs of the load without and with speculation, their steps interleaved: (plain rates, speculative rates,
+        whether every speculative run's tokens were the plain runs', the tokens, the speculative runs' draft tokens
+        verified and kept). Each side's rate counts its own
+        steps' time only, so both meet the same stretches of a shared machine, whose speed moves by tens of percent
+        within seconds; the speedup is the median of the pairs' ratios. Every other pair steps the speculative
+        engine first."""
+        plain_rates, rates, same, ids, drafts = [], [], True, None, (0, 0)
         for pair in range(1 if args.quick else args.repeats):
             fast.forget_replies()  # else `auto` drafts a repeated request from its own earlier reply
-            if pair % 2:
-                rate, got = measure(fast, load)
-                plain_rate, ids = measure(plain, load)
-            else:
-                plain_rate, ids = measure(plain, load)
-                rate, got = measure(fast, load)
+            order = (fast, plain) if pair % 2 else (plain, fast)
+            results = interleaved([(engine, lambda engine=engine: measure(engine, load)) for engine in order])
+            (plain_rate, ids, _), (rate, got, verified) = results[::-1] if pair % 2 else results
             plain_rates.append(plain_rate)
             rates.append(rate)
             same = same and got == ids
-        return plain_rates, rates, same, ids
+            drafts = (drafts[0] + verified[0], drafts[1] + verified[1])
+        return plain_rates, rates, same, ids, drafts
 
     warm = [(prompts["chat"], SamplingParams(max_new_tokens=8, temperature=0))]
-    paired(decoded, warm)
+    paired(decoding, warm)
     rows, results = [], {}
     # Stream s's i-th request is MIXED's task s + i (in turn, wrapping), one request after another.
     mixed = [[(prompts[MIXED[(s + i) % len(MIXED)]], params(MIXED[(s + i) % len(MIXED)])) for i in range(MIXED_ROUNDS)]
              for s in range(streams)]
-    loads = {name: (decoded, [(prompts[name], params(name))]) for name in chosen} | {
-        f"{streams} streams, mixed": (streamed, mixed)}
+    loads = {name: (decoding, [(prompts[name], params(name))]) for name in chosen} | {
+        f"{streams} streams, mixed": (streaming, mixed)}
     for name, (measure, load) in loads.items():
-        before = fast.draft_totals
-        plain_rates, rates, same, ids = paired(measure, load)
-        drafted, kept = (a - b for a, b in zip(fast.draft_totals, before))
+        plain_rates, rates, same, ids, (drafted, kept) = paired(measure, load)
         plain_rate, rate = statistics.median(plain_rates), statistics.median(rates)
         ratios = [s / p for p, s in zip(plain_rates, rates)]
         speedup = statistics.median(ratios)
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     table = "\n".join([
         f"# Speculative decoding ({args.speculative}, up to {args.num_speculative_tokens} drafts a step) vs none "
         f"({'compiled' if fast.compiled_graphs else 'eager'} decode, greedy but json, median of "
-        f"{1 if args.quick else args.repeats} pairs of runs, each without then with)", "",
+        f"{1 if args.quick else args.repeats} pairs of runs, each without and with, their steps interleaved)", "",
         machine_line(payload["machine"]), "",
         markdown_table(["load", "plain tok/s", "speculative tok/s", "speedup (median of pairs)", "pairs",
                         "kept/drafted", "same tokens"]
@@ -178,27 +179,74 @@ def run(args: argparse.Namespace) -> dict:
     return payload
 
 
+def interleaved(runs: list[tuple[Engine, Callable[[], Generator]]]) -> list:
+    """(engine, start) pairs, start() a generator that steps that engine once per yield (decoding, streaming): each
+    run stepped in turn until all have ended, and the value each returned, in order. A run that ends while others
+    go on starts again (its figures dropped), so that every timed step of every run alternates with another
+    run's: a step that follows another engine's finds its caches as the other left them, one that follows its
+    own does not, and the side that ends first (speculation, on a task it guesses well) would otherwise have had
+    every step follow another's and the other side not. The repeats are cancelled at the end."""
+    going = [start() for _, start in runs]
+    results, ended = [None] * len(runs), [False] * len(runs)
+    while not all(ended):
+        for i, (_, start) in enumerate(runs):
+            try:
+                next(going[i])
+            except StopIteration as end:
+                if not ended[i]:
+                    results[i], ended[i] = end.value, True
+                if not all(ended):
+                    going[i] = start()
+    for engine, _ in runs:
+        for request_id in engine.request_ids:
+            engine.abort(request_id)
+        while engine.has_work:  # the cancelled requests leave their slots
+            engine.step()
+    return results
+
+
 def decoded(engine, batch: list[tuple[list[int], SamplingParams]]) -> tuple[float, list[list[int]]]:
-    """Every request to its end through Engine.step: (tokens/s, each request's tokens). One request: its decode
-    rate, the tokens after its first over the time after it; several: all their tokens over the whole run."""
+    """decoding's result, run alone."""
+    return interleaved([(engine, lambda: decoding(engine, batch))])[0]
+
+
+def counted(drafts: tuple[int, int], events: list) -> tuple[int, int]:
+    """(draft tokens verified, kept) with those of a step's events added."""
+    for event in events:
+        if getattr(event, "draft", None) is not None:
+            drafts = (drafts[0] + event.draft.proposed, drafts[1] + event.draft.accepted)
+    return drafts
+
+
+def decoding(engine, batch: list[tuple[list[int], SamplingParams]]):
+    """Every request to its end through Engine.step, a step per yield: returns (tokens/s, each request's tokens,
+    (draft tokens verified, kept)).
+    One request: its decode rate, the tokens after its first over the steps after its first; several: all their
+    tokens over all the steps. Only this engine's steps count: another's may run between them."""
     requests = [engine.add_request(prompt, params) for prompt, params in batch]
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    started, first = time.perf_counter(), None
+    seconds, steps, drafts = 0.0, 0, (0, 0)
     while engine.has_work:
-        for event in engine.step():
+        started = time.perf_counter()
+        events = engine.step()
+        elapsed = time.perf_counter() - started
+        if steps or len(batch) > 1:  # one request: its first step (the prompt and first token) does not count
+            seconds += elapsed
+        steps += 1
+        for event in events:
             tokens[event.request_id].append(event.token_id)
-        first = first or time.perf_counter()
-    seconds = time.perf_counter() - (first if len(batch) == 1 else started)
+        drafts = counted(drafts, events)
+        yield
     ids = [tokens[r.request_id] for r in requests]
-    return (sum(map(len, ids)) - (len(batch) == 1)) / seconds, ids
+    return (sum(map(len, ids)) - (len(batch) == 1)) / seconds, ids, drafts
 
 
-def streamed(engine, streams: list[list[tuple[list[int], SamplingParams]]]) -> tuple[float, list[list[int]]]:
+def streaming(engine, streams: list[list[tuple[list[int], SamplingParams]]]):
     """Streams that each send their requests one after another, the next as soon as the last ends, all through
-    Engine.step: (tokens/s over the steps in which every stream had a request in the engine, each request's tokens,
-    stream by stream). Only those steps count: at a closed batch's end the streams that finished first leave their
-    slots empty, and that end measures how the batch drains (speculation finishes the requests it guesses well
-    first), not the rate at which the streams are served."""
+    Engine.step, a step per yield: returns (tokens/s over the steps in which every stream had a request in the
+    engine, each request's tokens, stream by stream, (draft tokens verified, kept)). Only those steps count: at a closed batch's end the streams
+    that finished first leave their slots empty, and that end measures how the batch drains (speculation finishes
+    the requests it guesses well first), not the rate at which the streams are served."""
     ids = [[[] for _ in sent] for sent in streams]
     running: dict[str, tuple[int, int]] = {}  # request id -> (stream, its request's index), while in the engine
 
@@ -208,7 +256,7 @@ def streamed(engine, streams: list[list[tuple[list[int], SamplingParams]]]) -> t
 
     for stream in range(len(streams)):
         send(stream, 0)
-    tokens, seconds = 0, 0.0
+    tokens, seconds, drafts = 0, 0.0, (0, 0)
     while engine.has_work:
         every_stream = len(running) == len(streams)
         started = time.perf_counter()
@@ -222,7 +270,9 @@ def streamed(engine, streams: list[list[tuple[list[int], SamplingParams]]]) -> t
                 del running[event.request_id]
                 if i + 1 < len(streams[stream]):
                     send(stream, i + 1)
-    return tokens / seconds, [request for sent in ids for request in sent]
+        drafts = counted(drafts, events)
+        yield
+    return tokens / seconds, [request for sent in ids for request in sent], drafts
 
 
 def llama_rate(url: str, text: str, overrides: dict, max_tokens: int, repeats: int, chat: bool) -> float:

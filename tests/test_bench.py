@@ -180,7 +180,7 @@ def test_quants_serves_a_gguf_and_times_its_decode_streams_and_prefill(tmp_path,
 
 def test_quants_turns_decode_one_stream_on_the_engine_alone(tmp_path, tiny_dir, monkeypatch):
     """The turns' run without a server: the file's engine in the bench's process decodes the bench's prompt to
-    --new-tokens greedy tokens, one step each, its rate the tokens after the first over the time after the first
+    --new-tokens greedy tokens, one step each, its rate the tokens after the first over the steps after the first
     (as a server's stream is counted)."""
     import argparse
     import types
@@ -191,13 +191,15 @@ def test_quants_turns_decode_one_stream_on_the_engine_alone(tmp_path, tiny_dir, 
     write_gguf(tiny_dir, tmp_path / "tiny.gguf")
     from bench import spec
 
-    clock = iter([9.0, 10.0, 12.0])  # the bench's clock only (start, first token, end): the engine keeps its own
+    # The bench's clock only (the engine keeps its own), read before and after each of the 8 steps: the first (the
+    # prompt's pass and the first token) takes 5 s, each after it 0.5 s.
+    clock = iter([t for k in range(8) for t in (10.0 * k, 10.0 * k + (5.0 if k == 0 else 0.5))])
     monkeypatch.setattr(spec, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     engine = quants.local_engine(tmp_path / "tiny.gguf", argparse.Namespace(max_seq_len=256, compile="off"))
     steps = []
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
-    assert quants.engine_rate(engine, quants.PROMPT, 8) == 7 / 2.0
+    assert quants.engine_rate(engine, quants.PROMPT, 8) == 7 / (7 * 0.5)
     assert len(steps) == 8 and not engine.has_work
 
 
