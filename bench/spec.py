@@ -6,9 +6,9 @@ at a time with their steps interleaved (each side timing its own steps), so that
 shared machine; the speedup is the median of the pairs' ratios. Speculation must reproduce plain decoding's tokens
 exactly (on a quantized model, compiled or not: every graph gives a row the eager step's bits). A single stream's
 rate is its decode rate (the tokens after the first over the steps after it); the mixed streams' is their tokens
-over the steps in which every stream has a request in the engine (each sends its next request as its last ends). Each run
-starts with an empty suffix index: a repeated request is drafted from its own history, as a new one is (the mixed
-streams' 48 requests of 4 prompts still draft from each other's replies within a run).
+over the steps in which every stream has a request in the engine (each sends its next request as its last ends).
+Each run starts with an empty suffix index: a repeated request is drafted from its own history, as a new one is
+(the mixed streams' 48 requests of 4 prompts still draft from each other's replies within a run).
 With --llama-bin, llama.cpp's llama-server runs the single-stream tasks on the same GGUF file, with its n-gram
 speculation and without (its own decode rate, `timings.predicted_per_second`), as the reference.
 """
@@ -106,10 +106,9 @@ def run(args: argparse.Namespace) -> dict:
     def paired(measure, load) -> tuple[list[float], list[float], bool, list[list[int]], tuple[int, int]]:
         """Runs of the load without and with speculation, their steps interleaved: (plain rates, speculative rates,
         whether every speculative run's tokens were the plain runs', the tokens, the speculative runs' draft tokens
-        verified and kept). Each side's rate counts its own
-        steps' time only, so both meet the same stretches of a shared machine, whose speed moves by tens of percent
-        within seconds; the speedup is the median of the pairs' ratios. Every other pair steps the speculative
-        engine first."""
+        verified and kept). Each side's rate counts its own steps' time only, so both meet the same stretches of a
+        shared machine, whose speed moves by tens of percent within seconds; the speedup is the median of the
+        pairs' ratios. Every other pair steps the speculative engine first."""
         plain_rates, rates, same, ids, drafts = [], [], True, None, (0, 0)
         for pair in range(1 if args.quick else args.repeats):
             fast.forget_replies()  # else `auto` drafts a repeated request from its own earlier reply
@@ -244,9 +243,9 @@ def decoding(engine, batch: list[tuple[list[int], SamplingParams]]):
 def streaming(engine, streams: list[list[tuple[list[int], SamplingParams]]]):
     """Streams that each send their requests one after another, the next as soon as the last ends, all through
     Engine.step, a step per yield: returns (tokens/s over the steps in which every stream had a request in the
-    engine, each request's tokens, stream by stream, (draft tokens verified, kept)). Only those steps count: at a closed batch's end the streams
-    that finished first leave their slots empty, and that end measures how the batch drains (speculation finishes
-    the requests it guesses well first), not the rate at which the streams are served."""
+    engine, each request's tokens, stream by stream, (draft tokens verified, kept)). Only those steps count: at a
+    closed batch's end the streams that finished first leave their slots empty, and that end measures how the batch
+    drains (speculation finishes the requests it guesses well first), not the rate at which the streams are served."""
     ids = [[[] for _ in sent] for sent in streams]
     running: dict[str, tuple[int, int]] = {}  # request id -> (stream, its request's index), while in the engine
 
