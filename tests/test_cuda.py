@@ -44,3 +44,22 @@ def test_cuda_graphs_decode_as_eager_does(tiny_dir):
     assert set(graphs.compiled_graphs) == {"b4·k64", "b2·k64", "b1·k64", "b1·k128"}
     again = graphs.generate(prompts, greedy)  # replayed, not captured again
     assert [c.output_ids for c in again] == [c.output_ids for c in got]
+
+
+def test_cuda_graphs_verify_drafts_as_plain_decoding_does(model_dir):
+    """Speculative decoding on CUDA: each verifying step (up to 4 slots x (1 + 3 drafts) rows) replays a captured
+    graph padded to its batch size, and every request gets the tokens of eager decoding without drafts."""
+    settings = dict(device="cuda", dtype="float32", max_batch_size=4, max_seq_len=512, seed=0)
+    prompts = [[5, 6, 7, 8, 9, 10] * 3, [3, 4] * 4, [11, 12, 13, 14, 15, 16], [40, 41, 42] * 2]  # recurring n-grams
+    params = [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)] * 2 + [
+        SamplingParams(max_new_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(2)]
+    plain = load_engine(model_dir("long"), EngineConfig(**settings)).generate(prompts, params)
+    engine = load_engine(model_dir("long"), EngineConfig(**settings, compile="on", speculative="ngram",
+                                                         num_speculative_tokens=3))
+    engine.step_costs.threshold = lambda batch: 0.0  # every draft verified, whatever this GPU's step timings
+    assert engine.compile()
+    got = engine.generate(prompts, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in plain]
+    assert engine.speculation["accepted_tokens"] > 0
+    sizes = {int(name.split("·")[0].removeprefix("b")) for name in engine.compiled_graphs}
+    assert max(sizes) > 4  # rows past one per slot: the verifying steps were captured too
