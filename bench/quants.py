@@ -10,7 +10,8 @@ llama-bench tg run, in turn, the order rotated each turn, the ratios taken withi
 within seconds: whole runs minutes apart gave 0.84x and 1.11x llama-bench for one file). The turns also decode the
 same prompt in this process, on kvserve's engine alone (no server, no HTTP): the server's share of a stream's time
 and the engine's own ratio to llama-bench then come from the same turns. A token's read floor is
-the file's bytes over that round's read rate (every matrix is read once per step; a tied embedding is the LM head).
+the file's bytes over that round's read rate (every matrix is read once per step; a tied embedding is the LM head);
+the turns measure the read rate too, one of their runs, and take each run's share of the floor within its turn.
 Resident memory is each server's VmRSS once warm. Prefill is the time of a one-token completion of a prompt of about
 --prefill-tokens (each server says how many it counted), the best over the rounds, each prompt opening with its own
 number so that no server reuses a cached prefix.
@@ -37,6 +38,7 @@ from bench.families import llama_server, one_stream
 from bench.serve import level, local_server
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
+READ_RATE = "read rate"  # the turns' entry that is the machine's read rate in bytes per second, not a run's tokens
 
 
 def read_rate() -> float:
@@ -153,8 +155,16 @@ def local_engine(gguf: Path, args: argparse.Namespace):
 
 
 def ratios_within_turns(turns: list[dict[str, float]], ours: str = "kvserve") -> dict[str, float]:
-    """ours / each other run, within each turn; the median over the turns."""
-    return {name: statistics.median(turn[ours] / turn[name] for turn in turns) for name in turns[0] if name != ours}
+    """ours / each other run's tokens per second, within each turn; the median over the turns."""
+    return {name: statistics.median(turn[ours] / turn[name] for turn in turns)
+            for name in turns[0] if name not in (ours, READ_RATE)}
+
+
+def floors_within_turns(turns: list[dict[str, float]], file_bytes: int) -> dict[str, float]:
+    """Each run's share of the read floor, its tokens per second times the file's bytes over the read rate of its
+    own turn (measured seconds from it); the median over the turns."""
+    return {name: statistics.median(turn[name] * file_bytes / turn[READ_RATE] for turn in turns)
+            for name in turns[0] if name != READ_RATE}
 
 
 def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
@@ -189,6 +199,7 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
             engine = local_engine(gguf, args)  # after the rounds: the resident memory they measured is the servers'
             runs["kvserve engine"] = lambda: engine_rate(engine, PROMPT, args.new_tokens)
             engine_rate(engine, PROMPT, 8)  # warm, as one_stream warms each server
+            runs[READ_RATE] = read_rate  # in the turn: a round's one rate is minutes from most of its runs
             turns = alternated(runs, args.turns)
     size = gguf.stat().st_size
     floors = [size / rate for rate in rates]  # seconds a token, round by round
@@ -208,7 +219,8 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
             r["one"]["tokens_per_s"] / b["tg"] for r, b in zip(rounds["kvserve"], benches))
         if turns:
             result["one stream, turn by turn"] = {"turns": turns, "kvserve / ...": ratios_within_turns(turns),
-                                                  "kvserve engine / ...": ratios_within_turns(turns, "kvserve engine")}
+                                                  "kvserve engine / ...": ratios_within_turns(turns, "kvserve engine"),
+                                                  "of the read floor": floors_within_turns(turns, size)}
     return result
 
 
@@ -245,14 +257,19 @@ def rendered(payload: dict) -> str:
                   "turn by turn (median over --turns turns):\n\n") + markdown_table(
             ["file", "1 stream vs llama-server", "vs llama-bench tg", "many streams", "prefill time", "resident"],
             ratios)
+    shares = lambda floor: " / ".join(f"{100 * floor[name]:.0f}%" for name in
+                                      ("kvserve engine", "kvserve", "llama-server", "llama-bench tg"))
     engines = [[name, f"{by_turn['llama-bench tg']:.2f}x", f"{by_turn['llama-server']:.2f}x",
-                f"{result['one stream, turn by turn']['kvserve / ...']['kvserve engine']:.2f}x"]
+                f"{result['one stream, turn by turn']['kvserve / ...']['kvserve engine']:.2f}x",
+                shares(result["one stream, turn by turn"]["of the read floor"])]
                for name, result in payload["files"].items()
                if (by_turn := result.get("one stream, turn by turn", {}).get("kvserve engine / ..."))]
     if engines:
         table += ("\n\nOne stream turn by turn, kvserve's engine alone in the bench's process (no server, no HTTP), "
-                  "median over the turns:\n\n") + markdown_table(
-            ["file", "engine / llama-bench tg", "engine / llama-server", "kvserve's server / its engine"], engines)
+                  "median over the turns; each run's share of the read floor at its own turn's read rate:\n\n"
+                  ) + markdown_table(["file", "engine / llama-bench tg", "engine / llama-server",
+                                      "kvserve's server / its engine",
+                                      "of the read floor: engine / server / llama-server / llama-bench"], engines)
     rates = [rate / 1e9 for result in payload["files"].values() for rate in result["read_rates"]]
     served = {name: r["kvserve"]["weights_served"] for name, r in payload["files"].items()}
     return (f"{machine_line(payload['machine'])}; read rate {min(rates):.1f}-{max(rates):.1f} GB/s over the rounds, "

@@ -240,6 +240,18 @@ def test_quants_alternates_its_one_stream_runs_and_pairs_them_within_each_turn()
     assert ratios_within_turns(turns) == {"llama-server": 1.5, "llama-bench tg": 1.2}
 
 
+def test_quants_takes_each_runs_share_of_the_read_floor_at_its_own_turns_read_rate():
+    """The machine halves its speed, reading included, in the second turn: each share of the floor is the same in
+    both turns, where one read rate for all the turns would put the slow turn's runs at half their share."""
+    from bench.quants import READ_RATE, floors_within_turns, ratios_within_turns
+
+    size = 700e6  # bytes read per token
+    turns = [{"kvserve": 30.0, "llama-bench tg": 20.0, READ_RATE: 28e9},
+             {"kvserve": 15.0, "llama-bench tg": 10.0, READ_RATE: 14e9}]
+    assert floors_within_turns(turns, size) == {"kvserve": 0.75, "llama-bench tg": 0.5}
+    assert ratios_within_turns(turns) == {"llama-bench tg": 1.5}  # the read rate is not a run to compare with
+
+
 def test_spec_keeps_every_output_of_the_default_model(tmp_path):
     bench(tmp_path, "spec", "--compile", "off")
     payload = json.loads((tmp_path / "spec.json").read_text())
