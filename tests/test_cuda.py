@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
+from tests.test_speculative import drafting_always
 from weights.loading import load_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -54,12 +55,10 @@ def test_cuda_graphs_verify_drafts_as_plain_decoding_does(model_dir):
     params = [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)] * 2 + [
         SamplingParams(max_new_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(2)]
     plain = load_engine(model_dir("long"), EngineConfig(**settings)).generate(prompts, params)
-    engine = load_engine(model_dir("long"), EngineConfig(**settings, compile="on", speculative="ngram",
-                                                         num_speculative_tokens=3))
-    engine.step_costs.threshold = lambda batch: 0.0  # every draft verified, whatever this GPU's step timings
+    drafting = EngineConfig(**settings, compile="on", speculative="ngram", num_speculative_tokens=3)
+    engine = drafting_always(load_engine(model_dir("long"), drafting))
     assert engine.compile()
     got = engine.generate(prompts, params)
     assert [c.output_ids for c in got] == [c.output_ids for c in plain]
     assert engine.speculation["accepted_tokens"] > 0
-    sizes = {int(name.split("·")[0].removeprefix("b")) for name in engine.compiled_graphs}
-    assert max(sizes) > 4  # rows past one per slot: the verifying steps were captured too
+    assert max(size for size, _ in engine.executor.captured.replays) > 4  # past a row per slot: verifying steps
