@@ -92,26 +92,41 @@ class StepModule(nn.Module):
 
 
 class LoadedStep:
-    """A package's step, called as a compiled graph is: (tokens, slot_index, positions, mask, groups) -> logits."""
+    """A package's step, called as a compiled graph is: (tokens, slot_index, positions, mask, groups) -> logits.
 
-    def __init__(self, path: Path, constants: dict[str, torch.Tensor]):
+    release_gil: run it by kvserve's op where its kernels are loaded (engine/linear/native/compiled_step.cpp), which
+    releases the GIL for the step as torch's own binding of the loader does not: the server's event loop then
+    streams tokens while a step runs. Elsewhere, or with release_gil=False, torch's binding runs it."""
+
+    def __init__(self, path: Path, constants: dict[str, torch.Tensor], release_gil: bool = True):
+        from engine.linear.native import load_kernels
+
         cache_file.check_sealed(path)
-        # torch._inductor.aoti_load_package wraps this class, but importing it imports inductor.
+        self.path = path
+        self.releases_gil = release_gil and load_kernels() is None
+        # torch._inductor.aoti_load_package wraps torch's loader, but importing it imports inductor.
         try:
-            self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            if self.releases_gil:
+                self.loader = torch.classes.kvserve.CompiledStep(str(path))
+            else:
+                self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         except RuntimeError as e:  # whole, yet not loadable here
             raise cache_file.CacheMiss(path, f"it does not load ({str(e).splitlines()[0]})", found=True) from None
-        names = self.loader.get_constant_fqns()
+        names = self.loader.constant_names() if self.releases_gil else self.loader.get_constant_fqns()
         missing = [name for name in names if name not in constants]
         if missing:
             raise cache_file.CacheMiss(path, f"it asks for constants the model lacks ({', '.join(missing[:3])})",
                                        found=True)
         # user-managed: the package keeps the model's tensors themselves, no copy
-        self.loader.load_constants({name: constants[name] for name in names}, False, True, True)
+        if self.releases_gil:
+            self.loader.use_constants(names, [constants[name] for name in names])
+        else:
+            self.loader.load_constants({name: constants[name] for name in names}, False, True, True)
 
     def __call__(self, tokens: torch.Tensor, slot_index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                  groups: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        (logits,) = self.loader.run([tokens, slot_index, positions, mask, *groups])
+        inputs = [tokens, slot_index, positions, mask, *groups]
+        (logits,) = torch.ops.kvserve.run_step(self.loader, inputs) if self.releases_gil else self.loader.run(inputs)
         return logits
 
 

@@ -1,5 +1,6 @@
-"""Decode steps compiled ahead of time (engine/aot_steps.py): the eager step's bits in both packages, a process that
-finds its packages serves without importing torch's compiler or copying them, and a damaged package is built again."""
+"""Decode steps compiled ahead of time (engine/aot_steps.py): the eager step's bits in both packages, run by kvserve's op
+as by torch's binding, a process that finds its packages serves without importing torch's compiler or copying them,
+and a damaged package is built again."""
 
 from __future__ import annotations
 
@@ -77,6 +78,32 @@ def test_a_row_gets_the_same_bits_alone_and_among_its_drafts(aot_engine):
                     assert torch.equal(executor.forward([rows[j]], [0], [position])[0], together[j]), (graphs, j)
     finally:
         executor.graphs = packages
+
+
+def test_kvserves_op_runs_a_package_as_torchs_binding_does(aot_engine):
+    """The packages run through kvserve's op, which frees the GIL while a step runs (torch's own binding of the
+    loader holds it): the same logits, bit for bit, from the same package and tensors, at one row and at four."""
+    from engine import aot_steps
+
+    executor = aot_engine.executor
+    packages = dict(executor.graphs)
+    assert all(step.releases_gil for step in packages.values())
+    constants = aot_steps.StepModule(executor).constants()
+    twins = {name: aot_steps.LoadedStep(step.path, constants, release_gil=False) for name, step in packages.items()}
+    assert not any(step.releases_gil for step in twins.values())
+    prompt, rows = list(range(3, 13)), [5, 17, 33, 40]
+    positions = [len(prompt) + j for j in range(4)]
+    try:
+        with torch.inference_mode():
+            aot_engine.prompt_logits(prompt)  # the prompt's K/V in slot 0
+            logits = []
+            for graphs in (packages, twins):
+                executor.graphs = graphs
+                # each call rewrites the same K/V: a row's then depend on its inputs alone
+                logits.append((executor.forward(rows[:1], [0], positions[:1]), executor.forward(rows, [0] * 4, positions)))
+    finally:
+        executor.graphs = packages
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(*logits))
 
 
 def test_a_process_that_finds_its_packages_never_imports_the_compiler(aot_engine, q4_model, compiled_home, tmp_path):
