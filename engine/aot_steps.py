@@ -104,29 +104,28 @@ class LoadedStep:
         cache_file.check_sealed(path)
         self.path = path
         self.releases_gil = release_gil and load_kernels() is None
-        # torch._inductor.aoti_load_package wraps torch's loader, but importing it imports inductor.
+        # torch._inductor.aoti_load_package wraps torch's loader, but importing it imports inductor. kvserve's class
+        # has the methods of torch's binding; only the run differs (an op, so that the dispatcher drops the GIL).
         try:
             if self.releases_gil:
-                self.loader = torch.classes.kvserve.CompiledStep(str(path))
+                loader = torch.classes.kvserve.CompiledStep(str(path))
+                self.run = functools.partial(torch.ops.kvserve.run_step, loader)
             else:
-                self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+                loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+                self.run = loader.run
         except RuntimeError as e:  # whole, yet not loadable here
             raise cache_file.CacheMiss(path, f"it does not load ({str(e).splitlines()[0]})", found=True) from None
-        names = self.loader.constant_names() if self.releases_gil else self.loader.get_constant_fqns()
+        names = loader.get_constant_fqns()
         missing = [name for name in names if name not in constants]
         if missing:
             raise cache_file.CacheMiss(path, f"it asks for constants the model lacks ({', '.join(missing[:3])})",
                                        found=True)
         # user-managed: the package keeps the model's tensors themselves, no copy
-        if self.releases_gil:
-            self.loader.use_constants(names, [constants[name] for name in names])
-        else:
-            self.loader.load_constants({name: constants[name] for name in names}, False, True, True)
+        loader.load_constants({name: constants[name] for name in names}, False, True, True)
 
     def __call__(self, tokens: torch.Tensor, slot_index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                  groups: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        inputs = [tokens, slot_index, positions, mask, *groups]
-        (logits,) = torch.ops.kvserve.run_step(self.loader, inputs) if self.releases_gil else self.loader.run(inputs)
+        (logits,) = self.run([tokens, slot_index, positions, mask, *groups])
         return logits
 
 
