@@ -26,7 +26,7 @@ import httpx
 import torch
 
 from bench.common import free_port, machine, machine_line, markdown_table, timed, write_results
-from bench.serve import local_server, one_request, streaming_client
+from bench.serve import local_server, one_request
 from bench.synthetic import random_engine, random_model
 from engine import ModelConfig, SamplingParams
 from engine.kv_cache import KVCache, format_bytes
@@ -117,9 +117,8 @@ def llama_server(binary: Path, gguf: Path, threads: int, slots: int = 1, started
 def one_stream(url: str, prompt: str, new_tokens: int, repeats: int) -> dict:
     """Streamed /v1/completions, greedy, one at a time: tokens/s and the median inter-token gap."""
     async def run():
-        async with streaming_client(url) as client:
-            await one_request(client, prompt, 8)  # warm-up
-            return [await one_request(client, prompt, new_tokens) for _ in range(repeats)]
+        await one_request(url, prompt, 8)  # warm-up
+        return [await one_request(url, prompt, new_tokens) for _ in range(repeats)]
 
     answers = asyncio.run(run())
     results = [r for r in answers if "error" not in r]

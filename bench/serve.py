@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import httpx
 import torch
 
 from bench.common import free_port, machine, machine_line, markdown_table, plot, timed, write_results
+from bench.event_stream import HTTPStatusError, events
 from weights.loading import load_engine
 
 
@@ -78,34 +78,25 @@ def local_server(args: argparse.Namespace, extra: list[str] = (), started: list 
         process.wait(60)
 
 
-def streaming_client(url: str, connections: int = 1) -> httpx.AsyncClient:
-    """A client whose every request opens its own connection: llama-server may close a kept-alive connection just
-    as the next request goes out on it, and httpx does not resend a streamed POST, so a reused connection fails the
-    peer's requests now and then (about one in ten back-to-back pairs here) and not for a server's own fault."""
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=0)
-    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
-
-
-async def one_request(client: httpx.AsyncClient, prompt: str, new_tokens: int) -> dict:
+async def one_request(url: str, prompt: str, new_tokens: int) -> dict:
+    """One streamed /v1/completions request, greedy: when each token's event arrived, and the tokens the usage
+    counted; or {"error": why}."""
     body = {"prompt": prompt, "max_tokens": new_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                return {"error": f"HTTP {response.status_code}"}
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        return {"error": chunk["error"]["message"]}
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    else:
-                        stamps.append(time.perf_counter())
-    except httpx.HTTPError as e:
+        async for arrived, chunk in events(url, "/v1/completions", body):
+            if "error" in chunk:
+                return {"error": chunk["error"]["message"]}
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            else:
+                stamps.append(arrived)
+    except HTTPStatusError as e:
+        return {"error": str(e)}
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
         return {"error": type(e).__name__}
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"ttft": stamps[0] - started, "gaps": gaps, "e2e": stamps[-1] - started, "tokens": tokens}
@@ -114,14 +105,13 @@ async def one_request(client: httpx.AsyncClient, prompt: str, new_tokens: int) -
 async def level(url: str, concurrency: int, requests: int, prompt: str, new_tokens: int) -> tuple[list[dict], float]:
     semaphore = asyncio.Semaphore(concurrency)
 
-    async def limited(client):
+    async def limited():
         async with semaphore:
-            return await one_request(client, prompt, new_tokens)
+            return await one_request(url, prompt, new_tokens)
 
-    async with streaming_client(url, concurrency) as client:
-        started = time.perf_counter()
-        results = await asyncio.gather(*(limited(client) for _ in range(requests)))
-        return results, time.perf_counter() - started
+    started = time.perf_counter()
+    results = await asyncio.gather(*(limited() for _ in range(requests)))
+    return results, time.perf_counter() - started
 
 
 def offline(args: argparse.Namespace, prompt: str, new_tokens: int, rows: int) -> tuple[float, float] | None:
