@@ -1,11 +1,11 @@
 """A streamed POST's Server-Sent Events, read off a socket with as little client work per event as HTTP allows.
 
 The bench's client runs on the cores of the server it measures, so the CPU it spends on an event is taken from the
-server's threads: with two cores and two compute threads, every millisecond the client runs holds one of them, and
-the other waits for it at the step's next barrier. httpx (through httpcore and anyio) spent 0.53 ms of CPU on each
-streamed event of a 1B model's decode on an AMD EPYC here; reading the response with asyncio's own streams (the
-status line, the headers, the chunked body's frames, each event's `data:` as JSON) spends 0.23 ms, and the servers'
-one stream ran 1.06x faster under it (10 alternated turns). Both servers (kvserve's and llama-server) are read by it.
+server's threads: with as many compute threads as cores, every moment the client runs holds one of them, and the
+others wait for it at the step's next barrier. So the response is read with asyncio's own streams (the status line,
+the headers, the chunked body's frames, each event's `data:` as JSON) rather than through an HTTP client's layers:
+less than half httpx's CPU an event (bench/README.md, session 46). Both servers, kvserve's and llama-server, are
+read by it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ async def events(url: str, path: str, body: dict) -> AsyncIterator[tuple[float, 
         writer.write(f"POST {path} HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
                      f"Accept: text/event-stream\r\nContent-Length: {len(content)}\r\nConnection: close\r\n\r\n".encode()
                      + content)
-        status = int((await reader.readline()).split()[1])
+        status_line = (await reader.readline()).split()
+        if len(status_line) < 2:
+            raise ConnectionError("the connection closed before the status line")
+        status = int(status_line[1])
         headers = {}
         while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
             name, _, value = line.decode("latin-1").partition(":")

@@ -80,13 +80,14 @@ def local_server(args: argparse.Namespace, extra: list[str] = (), started: list 
 
 async def one_request(url: str, prompt: str, new_tokens: int) -> dict:
     """One streamed /v1/completions request, greedy: when each token's event arrived, and the tokens the usage
-    counted; or {"error": why}."""
+    counted; or {"error": why} (a request still streaming after 600 s is one: TimeoutError)."""
     body = {"prompt": prompt, "max_tokens": new_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    try:
+    async def read() -> dict | None:
+        nonlocal tokens
         async for arrived, chunk in events(url, "/v1/completions", body):
             if "error" in chunk:
                 return {"error": chunk["error"]["message"]}
@@ -94,9 +95,14 @@ async def one_request(url: str, prompt: str, new_tokens: int) -> dict:
                 tokens = chunk["usage"]["completion_tokens"]
             else:
                 stamps.append(arrived)
+        return None
+
+    try:
+        if (failed := await asyncio.wait_for(read(), 600)) is not None:
+            return failed
     except HTTPStatusError as e:
         return {"error": str(e)}
-    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
         return {"error": type(e).__name__}
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"ttft": stamps[0] - started, "gaps": gaps, "e2e": stamps[-1] - started, "tokens": tokens}
