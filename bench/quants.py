@@ -10,8 +10,11 @@ llama-bench tg run, in turn, the order rotated each turn, the ratios taken withi
 within seconds: whole runs minutes apart gave 0.84x and 1.11x llama-bench for one file). The turns also decode the
 same prompt in this process, on kvserve's engine alone (no server, no HTTP): the server's share of a stream's time
 and the engine's own ratio to llama-bench then come from the same turns. A token's read floor is
-the file's bytes over that round's read rate (every matrix is read once per step; a tied embedding is the LM head);
-the turns measure the read rate too, one of their runs, and take each run's share of the floor within its turn.
+the file's bytes over the read rate (every matrix is read once per step; a tied embedding is the LM head): a round's
+one read for its rounds' figures; in the turns, a read right before and right after each run, the run's floor at the
+mean of the two. The read rate is a mean, as a run's tokens per second is, over a few sums in a row, not the best
+of several: on a shared host the rate swings within a tenth of a second, and the best of five short reads, taken
+once a turn, caught bursts (54 GB/s where the reads either side of a run gave 31) that no run of a second sees.
 Resident memory is each server's VmRSS once warm. Prefill is the time of a one-token completion of a prompt of about
 --prefill-tokens (each server says how many it counted), the best over the rounds, each prompt opening with its own
 number so that no server reuses a cached prefix.
@@ -38,15 +41,21 @@ from bench.families import llama_server, one_stream
 from bench.serve import level, local_server
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
-READ_RATE = "read rate"  # the turns' entry that is the machine's read rate in bytes per second, not a run's tokens
+READ_RATE = "read rate"  # a turn's entry that is not a run: each run's read rate either side of it, bytes per second
 
 
-def read_rate() -> float:
-    """Bytes per second at which torch sums a 512 MiB float32 tensor (the best of five)."""
-    data = torch.ones(128 << 20)
-    data.sum()
-    best = min(timed_once(data.sum) for _ in range(5))
-    return data.numel() * data.element_size() / best
+class ReadRate:
+    """The machine's read rate now: bytes per second over `sums` sums in a row of a 512 MiB float32 tensor, held for
+    the bench's life (a fresh tensor's page faults are not reading)."""
+
+    def __init__(self, sums: int = 3):
+        self.data = torch.ones(128 << 20)
+        self.data.sum()
+        self.sums = sums
+
+    def __call__(self) -> float:
+        seconds = timed_once(lambda: [self.data.sum() for _ in range(self.sums)])
+        return self.sums * self.data.numel() * self.data.element_size() / seconds
 
 
 def timed_once(call) -> float:
@@ -124,11 +133,24 @@ def llama_bench(binary: Path, gguf: Path, threads: int, new_tokens: int, prompt_
     return {"tg": rates[(0, new_tokens)]} | ({"pp": rates[(prompt_tokens, 0)]} if prompt_tokens else {})
 
 
-def alternated(runs: dict[str, Callable[[], float]], turns: int) -> list[dict[str, float]]:
-    """Each run's rate once per turn, `turns` turns, the order rotated by one each turn (no run always first)."""
+def alternated(runs: dict[str, Callable[[], float]], turns: int,
+               read: Callable[[], float] | None = None) -> list[dict]:
+    """Each run's rate once per turn, `turns` turns, the order rotated by one each turn (no run always first). With
+    `read`, the read rate is read before the turn's first run and after each run, and the turn's READ_RATE entry
+    holds, for each run, the mean of the reads either side of it."""
     names = list(runs)
     order = lambda turn: names[turn % len(names):] + names[:turn % len(names)]
-    return [{name: runs[name]() for name in order(turn)} for turn in range(turns)]
+    result = []
+    for turn in range(turns):
+        reads = [read()] if read else []
+        rates = {}
+        for name in order(turn):
+            rates[name] = runs[name]()
+            reads += [read()] if read else []
+        if read:
+            rates[READ_RATE] = {name: (reads[i] + reads[i + 1]) / 2 for i, name in enumerate(order(turn))}
+        result.append(rates)
+    return result
 
 
 def engine_rate(engine, prompt: str, new_tokens: int) -> float:
@@ -160,10 +182,10 @@ def ratios_within_turns(turns: list[dict[str, float]], ours: str = "kvserve") ->
             for name in turns[0] if name not in (ours, READ_RATE)}
 
 
-def floors_within_turns(turns: list[dict[str, float]], file_bytes: int) -> dict[str, float]:
-    """Each run's share of the read floor, its tokens per second times the file's bytes over the read rate of its
-    own turn (measured seconds from it); the median over the turns."""
-    return {name: statistics.median(turn[name] * file_bytes / turn[READ_RATE] for turn in turns)
+def floors_within_turns(turns: list[dict], file_bytes: int) -> dict[str, float]:
+    """Each run's share of the read floor, its tokens per second times the file's bytes over the read rate either
+    side of it; the median over the turns."""
+    return {name: statistics.median(turn[name] * file_bytes / turn[READ_RATE][name] for turn in turns)
             for name in turns[0] if name != READ_RATE}
 
 
@@ -181,9 +203,9 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
             urls["llama-server"] = servers.enter_context(llama_server(
                 args.llama_bin / "llama-server", gguf, threads, slots=max(args.streams), started=started))
         rounds = {name: [] for name in urls}
-        benches, rates = [], []
+        benches, rates, read = [], [], ReadRate()
         for number in range(args.repeats):
-            rates.append(read_rate())
+            rates.append(read())
             for name, url in urls.items():
                 rounds[name].append(load_round(url, args, number))
             if args.llama_bin:
@@ -199,8 +221,7 @@ def measure(gguf: Path, args: argparse.Namespace, threads: int) -> dict:
             engine = local_engine(gguf, args)  # after the rounds: the resident memory they measured is the servers'
             runs["kvserve engine"] = lambda: engine_rate(engine, PROMPT, args.new_tokens)
             engine_rate(engine, PROMPT, 8)  # warm, as one_stream warms each server
-            runs[READ_RATE] = read_rate  # in the turn: a round's one rate is minutes from most of its runs
-            turns = alternated(runs, args.turns)
+            turns = alternated(runs, args.turns, read)  # a round's one read is minutes from most of its runs
     size = gguf.stat().st_size
     floors = [size / rate for rate in rates]  # seconds a token, round by round
     of_floor = lambda per_second: statistics.median(floor * rate for floor, rate in zip(floors, per_second))
@@ -266,14 +287,17 @@ def rendered(payload: dict) -> str:
                if (by_turn := result.get("one stream, turn by turn", {}).get("kvserve engine / ..."))]
     if engines:
         table += ("\n\nOne stream turn by turn, kvserve's engine alone in the bench's process (no server, no HTTP), "
-                  "median over the turns; each run's share of the read floor at its own turn's read rate:\n\n"
+                  "median over the turns; each run's share of the read floor at the read rate either side of it:\n\n"
                   ) + markdown_table(["file", "engine / llama-bench tg", "engine / llama-server",
                                       "kvserve's server / its engine",
                                       "of the read floor: engine / server / llama-server / llama-bench"], engines)
     rates = [rate / 1e9 for result in payload["files"].values() for rate in result["read_rates"]]
+    in_turns = [rate / 1e9 for result in payload["files"].values()
+                for turn in result.get("one stream, turn by turn", {}).get("turns", []) for rate in turn[READ_RATE].values()]
+    turns = f", {min(in_turns):.1f}-{max(in_turns):.1f} GB/s beside the turns' runs" if in_turns else ""
     served = {name: r["kvserve"]["weights_served"] for name, r in payload["files"].items()}
-    return (f"{machine_line(payload['machine'])}; read rate {min(rates):.1f}-{max(rates):.1f} GB/s over the rounds, "
-            f"{payload['threads']} threads\n\n{table}\n\nkvserve serves: {json.dumps(served)}\n")
+    return (f"{machine_line(payload['machine'])}; read rate {min(rates):.1f}-{max(rates):.1f} GB/s over the rounds"
+            f"{turns}, {payload['threads']} threads\n\n{table}\n\nkvserve serves: {json.dumps(served)}\n")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -240,15 +240,31 @@ def test_quants_alternates_its_one_stream_runs_and_pairs_them_within_each_turn()
     assert ratios_within_turns(turns) == {"llama-server": 1.5, "llama-bench tg": 1.2}
 
 
-def test_quants_takes_each_runs_share_of_the_read_floor_at_its_own_turns_read_rate():
-    """The machine halves its speed, reading included, in the second turn: each share of the floor is the same in
-    both turns, where one read rate for all the turns would put the slow turn's runs at half their share."""
-    from bench.quants import READ_RATE, floors_within_turns, ratios_within_turns
+def test_quants_takes_each_runs_share_of_the_read_floor_at_the_read_rate_either_side_of_it():
+    """The machine halves its speed, reading included, in the second turn, where the reads either side of each run
+    differ (12, 16, 12 GB/s): each run's floor is at the mean of its two reads, 14, so each share is the same in both
+    turns; one read for all the turns would put the slow turn's runs at half their share."""
+    from bench.quants import READ_RATE, alternated, floors_within_turns, ratios_within_turns
+
+    events: list[str] = []
+    reads = iter([28e9, 28e9, 28e9, 12e9, 16e9, 12e9])
+
+    def run(name: str, rate: float):
+        def timed() -> float:
+            events.append(name)
+            return rate / (1 if len(events) < 5 else 2)
+        return timed
+
+    def read() -> float:
+        events.append("read")
+        return next(reads)
 
     size = 700e6  # bytes read per token
-    turns = [{"kvserve": 30.0, "llama-bench tg": 20.0, READ_RATE: 28e9},
-             {"kvserve": 15.0, "llama-bench tg": 10.0, READ_RATE: 14e9}]
-    assert floors_within_turns(turns, size) == {"kvserve": 0.75, "llama-bench tg": 0.5}
+    turns = alternated({"kvserve": run("kvserve", 30.0), "llama-bench tg": run("llama-bench tg", 20.0)}, 2, read)
+    assert events == ["read", "kvserve", "read", "llama-bench tg", "read",
+                      "read", "llama-bench tg", "read", "kvserve", "read"]
+    assert turns[1] == {"llama-bench tg": 10.0, "kvserve": 15.0, READ_RATE: {"llama-bench tg": 14e9, "kvserve": 14e9}}
+    assert floors_within_turns(turns, size) == pytest.approx({"kvserve": 0.75, "llama-bench tg": 0.5})
     assert ratios_within_turns(turns) == {"llama-bench tg": 1.5}  # the read rate is not a run to compare with
 
 
