@@ -293,7 +293,8 @@ def rendered(payload: dict) -> str:
                                       "of the read floor: engine / server / llama-server / llama-bench"], engines)
     rates = [rate / 1e9 for result in payload["files"].values() for rate in result["read_rates"]]
     in_turns = [rate / 1e9 for result in payload["files"].values()
-                for turn in result.get("one stream, turn by turn", {}).get("turns", []) for rate in turn[READ_RATE].values()]
+                for turn in result.get("one stream, turn by turn", {}).get("turns", [])
+                for rate in turn[READ_RATE].values()]
     turns = f", {min(in_turns):.1f}-{max(in_turns):.1f} GB/s beside the turns' runs" if in_turns else ""
     served = {name: r["kvserve"]["weights_served"] for name, r in payload["files"].items()}
     return (f"{machine_line(payload['machine'])}; read rate {min(rates):.1f}-{max(rates):.1f} GB/s over the rounds"
