@@ -339,6 +339,36 @@ def test_k_quant_rows_in_passes_get_the_bits_they_get_alone(kind):
             assert torch.equal(together[row], layer(x[row: row + 1])[0])
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_every_tile_is_computed_once_whichever_thread_takes_it(kind):
+    """A product's tiles are shared out over torch's threads, a thread done with its share taking the back half of
+    another's (engine/linear/native/tile_shares.h): at any thread count, more threads than tiles or than cores
+    among them, every output row is computed, and gets the bits one thread gives it."""
+    if load_kernels() is not None:
+        pytest.skip(f"kvserve's kernels are off here: {load_kernels()}")
+    generator = torch.Generator().manual_seed(11)
+    layers = []
+    for out_features in (16 * 13 + 5, 16):  # 14 tiles, the last one part-filled; one tile
+        if kind in ("Q4_0", "Q8_0"):
+            bits = 4 if kind == "Q4_0" else 8
+            layers.append(codes_layer(bits)(centred_codes(out_features, bits, generator), None, torch.float32))
+        else:
+            codes = {"Q4_K": random_q4_k, "Q6_K": random_q6_k}[kind](out_features, 256)
+            layers.append((SubBlock6Linear if kind == "Q6_K" else SuperBlockLinear)(codes, None, torch.float32))
+    x = torch.randn(3, 256, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for layer in layers:
+                torch.set_num_threads(1)
+                alone = layer(x)
+                for count in (2, 3, 8, 2, 3, 8):
+                    torch.set_num_threads(count)
+                    assert torch.equal(layer(x), alone), (layer.out_features, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_rows_through_integer_tiles_get_the_bits_they_get_alone(kind):
     """Where the CPU has AMX, the K-quants take integer tiles for each whole 16 input rows (the rest dot products):

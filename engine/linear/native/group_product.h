@@ -1,6 +1,6 @@
 // What the 4-bit and 8-bit group-code products share: the inputs quantized to 8 bits per group of 32, and the
-// loop that runs a tile kernel over every 16-row tile of the weight (split over torch's threads) and every
-// input row (in passes of up to kRowsPerPass rows that share one load of the tile's codes; with AMX's integer
+// loop that runs a tile kernel over every 16-row tile of the weight (split over torch's threads: tile_shares.h) and
+// every input row (in passes of up to kRowsPerPass rows that share one load of the tile's codes; with AMX's integer
 // tiles, of up to 16 rows whose products with a group are one tile product). With AMX's bfloat16 tiles, for many
 // input rows, the weights are instead dequantized to bfloat16 once per call and multiplied by the inputs in bfloat16.
 // The caller says from how many rows each form runs (measured for the CPU at load: engine/linear/timing.py).
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "tile_shares.h"
 
 #if !defined(__AVX2__) || !defined(__F16C__) || !defined(__FMA__)
 #error "kvserve's group-code products need AVX2, FMA and F16C"
@@ -621,14 +622,12 @@ at::Tensor dot_product(const at::Tensor& rows, const at::Tensor& packed, int64_t
   const QuantizedRows x(rows, Tile::kCentre);
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* p = codes + t * groups * Tile::kTileGroupBytes;
-      const auto scales = scales_of(t);
-      in_passes<kRowsPerPass>(0, m, [&](auto rows, int64_t r) {
-        run_tile<Tile, rows()>(p, scales, groups, x, r, in, yp + r * padded + t * kTile, padded);
-      });
-    }
+  for_each_tile(tiles, [&](int64_t t) {
+    const uint8_t* p = codes + t * groups * Tile::kTileGroupBytes;
+    const auto scales = scales_of(t);
+    in_passes<kRowsPerPass>(0, m, [&](auto rows, int64_t r) {
+      run_tile<Tile, rows()>(p, scales, groups, x, r, in, yp + r * padded + t * kTile, padded);
+    });
   });
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
 }

@@ -143,10 +143,10 @@ void superblock_tile_amx(const Format& format, int64_t t, const QuantizedSuperBl
 #endif
 
 // Every input row times every tile of a K-quant weight (Format: superblock_tile's), tiles split over torch's
-// threads, input rows in passes of up to kSuperBlockRowsPerPass (in_passes: a pass per row would read the tile's
-// codes again for each). From `integer_tiles_from` rows, where this build and process have AMX, each whole 16 rows go
-// through superblock_tile_amx instead: the same integer sums, so a row gets the same bits either way. Checks what
-// every K-quant product shares.
+// threads (for_each_tile), input rows in passes of up to kSuperBlockRowsPerPass (in_passes: a pass per row would
+// read the tile's codes again for each). From `integer_tiles_from` rows, where this build and process have AMX, each
+// whole 16 rows go through superblock_tile_amx instead: the same integer sums, so a row gets the same bits either
+// way. Checks what every K-quant product shares.
 template <typename Format>
 at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t out_features, const Format& format,
                                int64_t integer_tiles_from = std::numeric_limits<int64_t>::max()) {
@@ -163,22 +163,26 @@ at::Tensor superblock_products(const at::Tensor& rows, int64_t tiles, int64_t ou
 #ifdef KVSERVE_AMX
   if (m >= integer_tiles_from && amx_permitted()) tiled_rows = m / kAmxRows * kAmxRows;
 #endif
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  const auto vector_rows = [&](int64_t t) {  // the rows after the integer tiles' (all of them, without AMX)
+    in_passes<kSuperBlockRowsPerPass>(tiled_rows, m, [&](auto rows, int64_t r) {
+      superblock_tile<Format, rows()>(format, t, x, r, yp + r * padded + t * kTile, padded);
+    });
+  };
 #ifdef KVSERVE_AMX
-    if (tiled_rows > 0) {
+  if (tiled_rows > 0) {  // many rows, compute-bound: torch's even split
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       const TileConfig config = Format::tile_config();
       _tile_loadconfig(&config);  // per thread, as torch's threads run these tiles
       for (int64_t t = begin; t < end; ++t)
         for (int64_t r = 0; r < tiled_rows; r += kAmxRows)
           superblock_tile_amx(format, t, x, r, yp + r * padded + t * kTile, padded);
       _tile_release();
-    }
+      for (int64_t t = begin; t < end; ++t) vector_rows(t);
+    });
+    return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
+  }
 #endif
-    for (int64_t t = begin; t < end; ++t)
-      in_passes<kSuperBlockRowsPerPass>(tiled_rows, m, [&](auto rows, int64_t r) {
-        superblock_tile<Format, rows()>(format, t, x, r, yp + r * padded + t * kTile, padded);
-      });
-  });
+  for_each_tile(tiles, vector_rows);
   return padded == out_features ? y : y.narrow(1, 0, out_features).contiguous();
 }
 
