@@ -5,8 +5,10 @@
 // Why not torch's even split alone: a decode step's products are memory-bound, and two threads on two cores of a
 // shared host seldom finish an even split together; the first one done waited at the region's end while the other
 // read on alone, at a fraction of the machine's rate (perf, 1B Q4_K_M, one stream: the main thread spent 12% of its
-// time in libgomp's wait, 3.5% with the shares). Chunks handed out from one counter gained nothing (0.99x): each
-// chunk starts a stream cold, with nothing fetched ahead of it, where a share or a stolen half is one long stream.
+// time in libgomp's wait, 3.5% with the shares; the products alike with the cores to themselves, 1.03-1.04x with
+// other work beside them, as a server's event loop and clients are: bench/README.md, session 48). Chunks handed out
+// from one counter gained nothing (0.99x): each chunk starts a stream cold, with nothing fetched ahead of it, where a
+// share or a stolen half is one long stream.
 #pragma once
 
 #include <ATen/Parallel.h>
