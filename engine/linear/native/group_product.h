@@ -151,7 +151,12 @@ struct QuantizedRows {
 
 // How far ahead of the codes being multiplied the products (run_tile, and the K-quants' in super_block.h) fetch their
 // lines into cache: the hardware's prefetch alone leaves one thread's stream of codes short of the machine's read rate.
-constexpr int64_t kPrefetchBytes = 16 * 1024;
+// A core's share of a server's read rate times the memory's latency (tens of GB/s times 100-200 ns: a few KB) is enough
+// lines in flight; further ahead only fills the L1 with lines not needed yet, beside the input rows' codes that every
+// tile reads again, and leaves more of each share's start to the hardware alone. 16 KB ahead, against this, left whole
+// decode steps 2-10% slower (1B Q4_K_M, Q4_0 and SmolLM2, one process alternating the two: bench/README.md, session
+// 49), where the products called alone, back to back, could not tell them apart.
+constexpr int64_t kPrefetchBytes = 4 * 1024;
 
 // The cache lines of [p, p + bytes), fetched ahead of their use (prefetches past the end of a buffer fault nothing).
 inline void prefetch(const uint8_t* p, int64_t bytes) {
